@@ -1,0 +1,5 @@
+import sys
+
+from megactx.cli import main
+
+sys.exit(main())

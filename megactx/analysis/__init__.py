@@ -1,0 +1,1 @@
+"""Analytic cost models of a ModelConfig: FLOPs and KV-cache bytes per token."""

@@ -1,0 +1,229 @@
+"""MLA attention with the DSA lightning indexer and IndexShare, in plain PyTorch.
+
+This is the reference every fast path is checked against. Shapes: B batch, S query tokens,
+T key tokens (cached + new), H attention heads, r = kv_lora_rank, dn / dr / dv = qk_nope /
+qk_rope / v head dims, HI / DI = indexer heads / dim, K = index_topk.
+
+- `Indexer` scores keys: score[t, s] = Σ_h w[t, h] · ReLU(q[t, h] · k[s]) · DI^-1/2, with
+  w = weights_proj(x) · HI^-1/2. A "full" layer owns one; a "shared" layer reuses the top-k of
+  the nearest full layer below it (passed in as `topk`) and owns no indexer weights.
+- `MLA` attends only to the selected keys. Two equivalent forms: naive (expand the latent to
+  per-head keys/values with kv_b_proj) and absorbed (fold kv_b_proj into the query and the output:
+  MQA over the 576-wide latent + rope key, which is what the sparse kernels compute).
+- `LayerCache` is the reference KV cache: contiguous per-layer tensors that only grow. The MTP
+  drafter uses it to share step 1's KV with later steps (KVShare).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megactx.config import ModelConfig
+from megactx.model.layers import RMSNorm, apply_rope
+from megactx.model.quant import hadamard, quantize_rows
+
+
+@dataclass
+class LayerCache:
+    """Reference cache of one layer. c: [B, T, r], k_pe: [B, T, dr], index_k: [B, T, DI] or None.
+
+    Key positions are 0..T-1 in order (the reference never evicts)."""
+
+    c: torch.Tensor | None = None
+    k_pe: torch.Tensor | None = None
+    index_k: torch.Tensor | None = None
+
+    @staticmethod
+    def _cat(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+        return new if old is None else torch.cat([old, new], dim=1)
+
+    def append_kv(self, c: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.c, self.k_pe = self._cat(self.c, c), self._cat(self.k_pe, k_pe)
+        return self.c, self.k_pe
+
+    def append_index_k(self, k: torch.Tensor) -> torch.Tensor:
+        self.index_k = self._cat(self.index_k, k)
+        return self.index_k
+
+    @property
+    def length(self) -> int:
+        return 0 if self.c is None else self.c.shape[1]
+
+
+def causal_mask(q_pos: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """q_pos: [B or 1, S] absolute positions -> [B or 1, S, T] bool, True where key s <= query t."""
+    k_pos = torch.arange(num_keys, device=q_pos.device)
+    return k_pos[None, None, :] <= q_pos[..., None]
+
+
+def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """scores: [B, S, T] fp32, -inf where not allowed -> indices [B, S, min(k, T)] int64, -1 = none.
+
+    A row with fewer than k allowed keys keeps all of them and pads with -1."""
+    k = min(k, scores.shape[-1])
+    values, idx = scores.topk(k, dim=-1)
+    return idx.masked_fill(values == float("-inf"), -1)
+
+
+def topk_mask(topk: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """topk: [B, S, K] key indices (-1 = none) -> [B, S, T] bool, True at the selected keys."""
+    B, S, _ = topk.shape
+    mask = torch.zeros(B, S, num_keys + 1, dtype=torch.bool, device=topk.device)
+    mask.scatter_(-1, topk.masked_fill(topk < 0, num_keys), True)  # -1 lands in a spare column
+    return mask[..., :num_keys]
+
+
+class Indexer(nn.Module):
+    """The DSA lightning indexer of one full layer."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
+        self.rope_dim, self.topk = cfg.qk_rope_head_dim, cfg.index_topk
+        self.rope_interleave = cfg.indexer_rope_interleave
+        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)  # kept in fp32
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # The first rope_dim dims are rotated (the MLA query puts rope last; the indexer first).
+        rot, rest = x.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
+        return torch.cat([apply_rope(rot, cos, sin, self.rope_interleave), rest], dim=-1)
+
+    def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [B, S, D] -> k: [B, S, DI], what the indexer cache stores."""
+        return self._rope(self.k_norm(self.wk(x)), cos, sin)
+
+    def queries(self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> q: [B, S, HI, DI], w: [B, S, HI] fp32 (head weights with HI^-1/2 folded in)."""
+        B, S, _ = x.shape
+        q = self._rope(self.wq_b(q_resid).view(B, S, self.n_heads, self.head_dim), cos, sin)
+        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads**-0.5
+        return q, w
+
+    def scores(self, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, fp8: bool = False) -> torch.Tensor:
+        """q: [B, S, HI, DI], w: [B, S, HI], k: [B, T, DI] -> [B, S, T] fp32, no mask applied.
+
+        fp8=True simulates the production path: q and k Hadamard-rotated, quantized to e4m3 with
+        one fp32 scale per (token, head) / per key, the scales folded into w and out of the ReLU
+        (valid since scales are positive)."""
+        if fp8:
+            rot = hadamard(self.head_dim, device=q.device)
+            q8, q_scale = quantize_rows(q.float() @ rot)  # [B, S, HI, DI], [B, S, HI]
+            k8, k_scale = quantize_rows(k.float() @ rot)  # [B, T, DI], [B, T]
+            logits = F.relu(torch.matmul(q8.float(), k8.float().transpose(-1, -2).unsqueeze(1)))
+            logits = logits * k_scale[:, None, None, :] * self.head_dim**-0.5  # [B, S, HI, T]
+            w = w * q_scale
+        else:
+            # Same operation order as transformers so near-ties break identically in fp32.
+            logits = torch.matmul(q.float(), k.float().transpose(-1, -2).unsqueeze(1)) * self.head_dim**-0.5
+            logits = F.relu(logits)  # [B, S, HI, T]
+        return torch.matmul(w.unsqueeze(-2), logits).squeeze(-2)  # [B, S, T]
+
+
+class MLA(nn.Module):
+    """Multi-head latent attention with DSA top-k selection."""
+
+    def __init__(self, cfg: ModelConfig, has_indexer: bool):
+        super().__init__()
+        self.cfg = cfg
+        H = self.n_heads = cfg.num_attention_heads
+        self.dn, self.dr, self.dv, self.r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        self.softmax_scale = cfg.softmax_scale
+        self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=cfg.attention_bias)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * (self.dn + self.dr), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, self.r + self.dr, bias=cfg.attention_bias)
+        self.kv_a_layernorm = RMSNorm(self.r)
+        self.kv_b_proj = nn.Linear(self.r, H * (self.dn + self.dv), bias=False)
+        self.o_proj = nn.Linear(H * self.dv, cfg.hidden_size, bias=cfg.attention_bias)
+        self.indexer = Indexer(cfg) if has_indexer else None
+        self.absorbed = False  # which of the two equal forms forward() computes
+        self.indexer_fp8 = False  # simulate the FP8 indexer instead of the exact one
+
+    # -- projections ------------------------------------------------------------------
+    def project_q(self, x, cos, sin):
+        """x: [B, S, D] -> q_resid [B, S, q_lora], q_nope [B, S, H, dn], q_pe [B, S, H, dr] (roped)."""
+        B, S, _ = x.shape
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_resid).view(B, S, self.n_heads, self.dn + self.dr)
+        q_nope, q_pe = q.split([self.dn, self.dr], dim=-1)
+        return q_resid, q_nope, apply_rope(q_pe, cos, sin, self.cfg.rope_interleave)
+
+    def project_kv(self, x, cos, sin):
+        """x: [B, S, D] -> c [B, S, r] (normed latent), k_pe [B, S, dr] (roped): the MLA cache entry."""
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.r, self.dr], dim=-1)
+        return self.kv_a_layernorm(c), apply_rope(k_pe, cos, sin, self.cfg.rope_interleave)
+
+    def wkv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj split per head: W_UK [H, dn, r], W_UV [H, dv, r]."""
+        w = self.kv_b_proj.weight.view(self.n_heads, self.dn + self.dv, self.r)
+        return w[:, : self.dn], w[:, self.dn :]
+
+    # -- attention core -----------------------------------------------------------------
+    def attend(self, q_nope, q_pe, c, k_pe, allowed: torch.Tensor) -> torch.Tensor:
+        """q_nope [B, S, H, dn], q_pe [B, S, H, dr], c [B, T, r], k_pe [B, T, dr],
+        allowed [B, S, T] bool -> [B, S, H * dv]. A row with no allowed key outputs zeros."""
+        dtype = q_nope.dtype
+        if self.absorbed:
+            w_uk, w_uv = self.wkv_b()
+            q_lat = torch.einsum("bshd,hdr->bshr", q_nope, w_uk)  # [B, S, H, r]
+            scores = (torch.einsum("bshr,btr->bhst", q_lat, c)
+                      + torch.einsum("bshd,btd->bhst", q_pe, k_pe))
+        else:
+            B, T, _ = c.shape
+            kv = self.kv_b_proj(c).view(B, T, self.n_heads, self.dn + self.dv)
+            k_nope, v = kv.split([self.dn, self.dv], dim=-1)
+            q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)  # [B, H, S, dn + dr]
+            k = torch.cat([k_nope, k_pe[:, :, None].expand(-1, -1, self.n_heads, -1)], dim=-1).transpose(1, 2)
+            scores = q @ k.transpose(-1, -2)  # [B, H, S, T]
+        scores = (scores * self.softmax_scale).masked_fill(~allowed[:, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).nan_to_num(0.0).to(dtype)
+        if self.absorbed:
+            o_lat = torch.einsum("bhst,btr->bshr", probs, c)  # [B, S, H, r]
+            out = torch.einsum("bshr,hvr->bshv", o_lat, w_uv)
+        else:
+            out = (probs @ v.transpose(1, 2)).transpose(1, 2)  # [B, S, H, dv]
+        return out.reshape(*out.shape[:2], -1)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                topk: torch.Tensor | None = None, cache: LayerCache | None = None,
+                write_kv: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [B, S, D]; cos/sin: [B or 1, S, dr/2]; positions: [B or 1, S] absolute.
+
+        topk: [B, S, K] key indices from this layer's full layer (required on shared layers;
+        on full layers, given -> reused instead of running the indexer). cache: keys before x
+        (positions 0..T0-1); x's own keys are appended when write_kv, else x only reads the cache
+        (KVShare draft steps). Returns (out [B, S, D], topk [B, S, K'] used).
+        """
+        q_resid, q_nope, q_pe = self.project_q(x, cos, sin)
+        if cache is None or write_kv:
+            c, k_pe = self.project_kv(x, cos, sin)
+            if cache is not None:
+                c, k_pe = cache.append_kv(c, k_pe)
+        else:
+            c, k_pe = cache.c, cache.k_pe
+        num_keys = c.shape[1]
+        allowed = causal_mask(positions, num_keys)  # [B or 1, S, T]
+
+        if topk is None:
+            if self.indexer is None:
+                raise ValueError("a shared-indexer layer needs the top-k of its full layer")
+            if cache is None:
+                k_idx = self.indexer.keys(x, cos, sin)  # [B, T, DI]
+            elif write_kv:
+                k_idx = cache.append_index_k(self.indexer.keys(x, cos, sin))
+            else:
+                k_idx = cache.index_k
+            q_idx, w = self.indexer.queries(x, q_resid, cos, sin)
+            scores = self.indexer.scores(q_idx, w, k_idx, fp8=self.indexer_fp8)
+            topk = select_topk(scores.masked_fill(~allowed, float("-inf")), self.indexer.topk)
+        allowed = allowed & topk_mask(topk, num_keys)
+        out = self.attend(q_nope, q_pe, c, k_pe, allowed)
+        return self.o_proj(out), topk

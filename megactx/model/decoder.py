@@ -1,0 +1,29 @@
+"""One transformer block: RMSNorm → MLA (+ indexer) → RMSNorm → dense MLP or MoE."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megactx.config import ModelConfig
+from megactx.model.attention import MLA, LayerCache
+from megactx.model.layers import RMSNorm
+from megactx.model.moe import MLP, MoE
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, has_indexer: bool):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.self_attn = MLA(cfg, has_indexer)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                topk: torch.Tensor | None = None, cache: LayerCache | None = None,
+                write_kv: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [B, S, D] -> (x [B, S, D], topk [B, S, K]); arguments as in `MLA.forward`."""
+        attn, topk = self.self_attn(self.input_layernorm(x), cos, sin, positions, topk, cache, write_kv)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), topk

@@ -1,0 +1,91 @@
+"""Small building blocks: RMSNorm and rotary position embeddings (default and YaRN)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from megactx.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32, scale in the input dtype (transformers' and DeepSeek's order).
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [qk_rope_head_dim / 2] fp32 and the cos/sin magnitude factor.
+
+    YaRN blends interpolated and extrapolated frequencies with a linear ramp between the
+    dimensions that rotate `beta_fast` and `beta_slow` times over the original context.
+    """
+    rp = cfg.rope_parameters
+    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
+    inv_freq = 1.0 / pos_freqs
+    if rp["rope_type"] != "yarn":
+        return inv_freq, 1.0
+
+    factor = float(rp["factor"])
+    orig = rp["original_max_position_embeddings"]
+    mscale, mscale_all = rp.get("mscale"), rp.get("mscale_all_dim")
+    attn_factor = rp.get("attention_factor")
+    if attn_factor is None:
+        from megactx.config import yarn_mscale
+
+        attn_factor = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
+                       if mscale and mscale_all else yarn_mscale(factor))
+    beta_fast, beta_slow = rp.get("beta_fast") or 32, rp.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rp.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp  # 1: keep the trained frequency, 0: interpolate by `factor`
+    inv_freq = (inv_freq / factor) * (1 - extrapolate) + inv_freq * extrapolate
+    return inv_freq, float(attn_factor)
+
+
+class Rotary:
+    """cos/sin tables for given positions; no state on the module tree (nothing to load)."""
+
+    def __init__(self, cfg: ModelConfig):
+        self.inv_freq, self.scale = rope_inv_freq(cfg)
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [..., S] int -> cos, sin: [..., S, rope_dim / 2] in `dtype`
+        freqs = positions[..., None].float() * self.inv_freq.to(positions.device)
+        return (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """Rotate the rope dims of x: [B, S, (H,) D] with cos/sin [B or 1, S, D/2].
+
+    interleave=True pairs dims (0, 1), (2, 3), ... (GLM, DeepSeek MLA); False pairs (i, i + D/2)
+    (DeepSeek-V3.2's indexer). Either way the result comes out half-split: [rotated firsts |
+    rotated seconds]. Queries and keys go through the same function, so dot products are those of
+    the rotation in the checkpoint's own layout.
+    """
+    if x.dim() == 4:  # a head axis between S and D
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

@@ -1,0 +1,94 @@
+"""Dense SwiGLU MLP and the DeepSeek/GLM mixture of experts, in plain PyTorch.
+
+Routing (`noaux_tc`): sigmoid scores; experts are *chosen* on score + e_score_correction_bias,
+first keeping the `topk_group` best of `n_group` groups (a group's worth = sum of its two best
+biased scores), then the best `num_experts_per_tok` experts inside them. The chosen experts are
+*weighted* by their raw sigmoid scores, renormalised if `norm_topk_prob`, times
+`routed_scaling_factor`. One always-on shared expert is added.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megactx.config import ModelConfig
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_experts, self.top_k = cfg.n_routed_experts, cfg.num_experts_per_tok
+        self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
+        self.norm_topk_prob, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
+        # Both stay fp32 whatever the model dtype (as in the published checkpoints).
+        self.weight = nn.Parameter(torch.zeros(self.n_experts, cfg.hidden_size, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(self.n_experts, dtype=torch.float32),
+                                                    requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [N, D] -> (weights [N, top_k] fp32, expert ids [N, top_k] int64)."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [N, E]
+        choice = scores + self.e_score_correction_bias
+        if self.n_group > 1:
+            grouped = choice.view(-1, self.n_group, self.n_experts // self.n_group)  # [N, G, E/G]
+            group_worth = grouped.topk(2, dim=-1).values.sum(-1)  # [N, G]
+            keep = torch.zeros_like(group_worth, dtype=torch.bool)
+            keep.scatter_(1, group_worth.topk(self.topk_group, dim=-1, sorted=False).indices, True)
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(-1, self.n_experts)
+        ids = choice.topk(self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, ids
+
+
+class Experts(nn.Module):
+    """Routed experts stacked: gate_up_proj [E, 2I, D] (gate rows then up rows), down_proj [E, D, I].
+
+    Checkpoints store them one `experts.{e}.{gate,up,down}_proj.weight` a tensor; weights.py
+    converts between the two."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E, D, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, D))
+        self.down_proj = nn.Parameter(torch.empty(E, D, I))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x: [N, D], weights/ids: [N, top_k] -> [N, D]. Loops over the experts that got tokens."""
+        out = torch.zeros_like(x)
+        for e in ids.unique().tolist():
+            token, slot = (ids == e).nonzero(as_tuple=True)
+            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e])
+            out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+        n_shared = cfg.n_shared_experts
+        self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * n_shared) if n_shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [B, S, D]
+        flat = x.reshape(-1, x.shape[-1])
+        weights, ids = self.gate(flat)
+        out = self.experts(flat, weights, ids).view_as(x)
+        return out if self.shared_experts is None else out + self.shared_experts(x)

@@ -1,0 +1,112 @@
+"""The GLM-5.x / DeepSeek-V3.2 causal LM in plain PyTorch: the reference forward.
+
+`Transformer(cfg)(input_ids)` -> logits [B, S, vocab], no cache. Parameter names follow the
+Hugging Face checkpoints (`model.layers.{i}...`, `lm_head.weight`), except that routed experts are
+stacked (see moe.Experts) and the MTP layers live in `mtp.{j}` (checkpoint layer
+`num_hidden_layers + j`); weights.py maps between the two.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megactx.config import ModelConfig
+from megactx.model.attention import LayerCache
+from megactx.model.decoder import DecoderLayer
+from megactx.model.layers import RMSNorm, Rotary
+from megactx.model.mtp import MTPLayer
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, has_indexer=cfg.indexer_types[i] == "full") for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    # Modules whose parameters stay fp32 in a bf16 model, as in the published checkpoints.
+    FP32_PARAMS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "indexer.weights_proj.weight")
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.mtp = nn.ModuleList(MTPLayer(cfg, cfg.num_hidden_layers + j) for j in range(cfg.num_nextn_predict_layers))
+        self.rotary = Rotary(cfg)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    # -- configuration of the reference computation --------------------------------------
+    def set_attention(self, absorbed: bool | None = None, indexer_fp8: bool | None = None) -> None:
+        """Pick the MLA form (naive / absorbed) and the indexer (exact / FP8-simulated)."""
+        for attn in self.attention_modules():
+            if absorbed is not None:
+                attn.absorbed = absorbed
+            if indexer_fp8 is not None:
+                attn.indexer_fp8 = indexer_fp8
+
+    def attention_modules(self):
+        return [layer.self_attn for layer in [*self.model.layers, *self.mtp]]
+
+    def cast(self, dtype: torch.dtype) -> Transformer:
+        """Cast floating parameters to dtype, keeping router and indexer head weights in fp32."""
+        for name, p in self.named_parameters():
+            if p.is_floating_point():
+                p.data = p.data.to(torch.float32 if name.endswith(self.FP32_PARAMS) else dtype)
+        return self
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    # -- forward ---------------------------------------------------------------------------
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                      caches: list[LayerCache] | None = None) -> torch.Tensor:
+        """input_ids: [B, S] -> final-normed hidden states [B, S, D].
+
+        positions: [B or 1, S] (default 0..S-1). caches: one LayerCache per layer to extend
+        (tokens before input_ids), or None for a cache-free forward."""
+        B, S = input_ids.shape
+        if positions is None:
+            start = caches[0].length if caches else 0
+            positions = torch.arange(start, start + S, device=input_ids.device)[None]
+        x = self.embed(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        topk_of: dict[int, torch.Tensor] = {}  # full layer -> its top-k, reused by shared layers
+        for i, layer in enumerate(self.model.layers):
+            src = self.cfg.topk_source(i)
+            cache = caches[i] if caches is not None else None
+            x, topk_of[src] = layer(x, cos, sin, positions, topk_of.get(src), cache)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [B, S] int -> logits [B, S, vocab] fp32. The reference forward, no cache."""
+        return self.compute_logits(self.hidden_states(input_ids))
+
+
+@torch.no_grad()
+def init_weights(model: Transformer, std: float = 0.02, seed: int | None = None) -> Transformer:
+    """Random init for tests and demos: normal(0, std) matrices, unit norms, zero biases."""
+    gen = torch.Generator(device="cpu")
+    if seed is not None:
+        gen.manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("e_score_correction_bias") or name.endswith(".bias"):
+            p.zero_()
+        elif p.dim() == 1:  # RMSNorm / LayerNorm scales
+            p.fill_(1.0)
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen) * std)
+    return model

@@ -1,0 +1,173 @@
+"""Properties of the reference model that transformers cannot check: the two MLA forms, IndexShare,
+the router formula, the cache path, the FP8 indexer simulation and MTP drafting."""
+
+import pytest
+import torch
+
+from megactx import ModelConfig
+from megactx.model import build_model, draft
+from megactx.model.attention import LayerCache, select_topk
+from megactx.model.moe import Router
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = ModelConfig.from_pretrained("tiny").replace(vocab_size=256, index_topk=16)
+    return build_model(cfg, seed=0)
+
+
+def ids(batch=2, seqlen=40, vocab=256, seed=0):
+    return torch.randint(0, vocab, (batch, seqlen), generator=torch.Generator().manual_seed(seed))
+
+
+def test_naive_and_absorbed_mla_agree(tiny):
+    x = ids()
+    tiny.set_attention(absorbed=False)
+    naive = tiny(x)
+    tiny.set_attention(absorbed=True)
+    absorbed = tiny(x)
+    tiny.set_attention(absorbed=False)
+    assert (naive - absorbed).abs().max() < 1e-4 * naive.abs().max()
+
+
+def test_shared_layers_own_no_indexer_and_reuse_their_full_layers_topk(tiny):
+    cfg = tiny.cfg
+    owners = [i for i, layer in enumerate(tiny.model.layers) if layer.self_attn.indexer is not None]
+    assert owners == cfg.full_layers == [0, 1, 2, 6]
+    assert not any("indexer" in n for n, _ in tiny.model.layers[3].named_parameters())
+
+    seen = {}
+    hooks = [layer.self_attn.register_forward_hook(lambda m, a, out, i=i: seen.__setitem__(i, out[1]))
+             for i, layer in enumerate(tiny.model.layers)]
+    tiny(ids())
+    for h in hooks:
+        h.remove()
+    for i in range(cfg.num_hidden_layers):
+        assert torch.equal(seen[i], seen[cfg.topk_source(i)])
+    assert not torch.equal(seen[2], seen[6])  # full layers do pick their own keys
+
+
+def test_select_topk_pads_short_rows_with_minus_one():
+    scores = torch.tensor([[[1.0, float("-inf"), float("-inf")], [0.5, 2.0, float("-inf")], [3.0, 1.0, 2.0]]])
+    idx = select_topk(scores, 2)
+    assert idx[0, 0].tolist() == [0, -1]
+    assert sorted(idx[0, 1].tolist()) == [0, 1]
+    assert idx[0, 2].tolist() == [0, 2]
+    assert select_topk(scores, 10).shape == (1, 3, 3)  # k above the row length keeps every key
+
+
+def test_router_selects_on_biased_scores_and_weights_on_raw_scores():
+    cfg = ModelConfig.from_pretrained("tiny").replace(n_routed_experts=4, num_experts_per_tok=2,
+                                                      routed_scaling_factor=2.0)
+    router = Router(cfg)
+    with torch.no_grad():
+        router.weight.zero_()
+        router.weight[:, 0] = torch.tensor([2.0, 1.0, 0.0, -1.0])  # raw preference 0 > 1 > 2 > 3
+        router.e_score_correction_bias.copy_(torch.tensor([0.0, 0.0, 5.0, 0.0]))  # bias pulls in expert 2
+    x = torch.zeros(1, cfg.hidden_size)
+    x[0, 0] = 1.0
+    weights, experts = router(x)
+    assert sorted(experts[0].tolist()) == [0, 2]
+    raw = torch.tensor([2.0, 0.0]).sigmoid()
+    expected = raw / raw.sum() * 2.0
+    got = dict(zip(experts[0].tolist(), weights[0].tolist()))
+    assert got[0] == pytest.approx(expected[0].item()) and got[2] == pytest.approx(expected[1].item())
+
+
+def test_group_limited_routing_never_leaves_the_chosen_groups():
+    cfg = ModelConfig.from_pretrained("tiny").replace(n_routed_experts=8, n_group=4, topk_group=1,
+                                                      num_experts_per_tok=2)
+    router = Router(cfg)
+    torch.nn.init.normal_(router.weight)
+    _, experts = router(torch.randn(64, cfg.hidden_size))
+    groups = experts // 2
+    assert (groups[:, 0] == groups[:, 1]).all()
+
+
+def test_incremental_forward_with_cache_equals_full_forward():
+    # 16 indexer heads: an exact tie at ReLU's zero (all heads negative) becomes improbable, so the
+    # top-k of the full and incremental forwards can be compared key for key.
+    cfg = ModelConfig.from_pretrained("tiny").replace(vocab_size=256, index_topk=16, index_n_heads=16)
+    tiny = build_model(cfg, seed=0)
+    x = ids(seqlen=30)
+    full = tiny.hidden_states(x)
+    caches = [LayerCache() for _ in tiny.model.layers]
+    first = tiny.hidden_states(x[:, :17], caches=caches)
+    rest = [tiny.hidden_states(x[:, t:t + 1], caches=caches) for t in range(17, 30)]
+    incremental = torch.cat([first, *rest], dim=1)
+    assert (incremental - full).abs().max() < 1e-4
+
+
+def test_fp8_indexer_tracks_the_exact_scores():
+    cfg = ModelConfig.from_pretrained("glm-5.2")
+    from megactx.model.attention import Indexer
+
+    torch.manual_seed(0)
+    indexer = Indexer(cfg.replace(hidden_size=256, q_lora_rank=128))
+    q = torch.randn(1, 64, cfg.index_n_heads, cfg.index_head_dim)
+    k = torch.randn(1, 4096, cfg.index_head_dim)
+    w = torch.randn(1, 64, cfg.index_n_heads)
+    exact = indexer.scores(q, w, k)
+    fp8 = indexer.scores(q, w, k, fp8=True)
+    corr = torch.corrcoef(torch.stack([exact.flatten(), fp8.flatten()]))[0, 1]
+    assert corr >= 0.99
+    top_exact = exact.topk(512, dim=-1).indices
+    top_fp8 = fp8.topk(512, dim=-1).indices
+    overlap = torch.tensor([len(set(a.tolist()) & set(b.tolist())) / 512
+                            for a, b in zip(top_exact[0], top_fp8[0])]).mean()
+    assert overlap >= 0.95
+
+
+def _count_calls(monkeypatch, cls, name):
+    calls = []
+    original = getattr(cls, name)
+
+    def wrapped(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        calls.append(out if name == "append_kv" else None)
+        return out
+
+    monkeypatch.setattr(cls, name, wrapped)
+    return calls
+
+
+@pytest.mark.parametrize("kv_share", [True, False])
+def test_mtp_drafting_shares_topk_and_kv_only_under_indexshare(tiny, monkeypatch, kv_share):
+    from megactx.model.attention import Indexer
+
+    x, steps = ids(seqlen=24), 5
+    appends = _count_calls(monkeypatch, LayerCache, "append_kv")
+    index_queries = _count_calls(monkeypatch, Indexer, "queries")
+    drafts = draft(tiny, x, steps, kv_share=kv_share)
+    assert drafts.tokens.shape == (2, steps) and drafts.logits.shape == (2, steps, 256)
+    mtp_appends = len(appends)  # the target forward uses no cache; every append is the MTP layer's
+    mtp_index_runs = len(index_queries) - len(tiny.cfg.full_layers)  # minus the target's indexers
+    if kv_share:
+        assert mtp_appends == 1 and appends[0][0].shape[1] == 24  # step 1 writes; later steps read
+        assert mtp_index_runs == 1
+    else:
+        assert mtp_appends == steps and appends[-1][0].shape[1] == 24 + steps - 1
+        assert mtp_index_runs == steps
+
+
+def test_first_draft_is_the_mtp_prediction_from_target_hidden_states(tiny):
+    x = ids(seqlen=20)
+    d = draft(tiny, x, 1)
+    hidden = tiny.hidden_states(x)
+    nxt = tiny.compute_logits(hidden[:, -1]).argmax(-1)
+    mtp = tiny.mtp[0]
+    pos = torch.arange(20)[None]
+    cos, sin = tiny.rotary(pos, hidden.dtype)
+    g, _ = mtp(hidden, tiny.embed(torch.cat([x[:, 1:], nxt[:, None]], 1)), cos, sin, pos)
+    assert torch.equal(d.next_token, nxt)
+    assert torch.allclose(d.logits[:, 0], tiny.compute_logits(mtp.shared_head.norm(g[:, -1])))
+
+
+def test_bf16_model_keeps_router_and_indexer_weights_in_fp32():
+    model = build_model("tiny", dtype=torch.bfloat16)
+    layer = model.model.layers[6]
+    assert layer.mlp.gate.weight.dtype == torch.float32
+    assert layer.self_attn.indexer.weights_proj.weight.dtype == torch.float32
+    assert layer.self_attn.q_a_proj.weight.dtype == torch.bfloat16
+    logits = model(ids(vocab=4096, seqlen=8))
+    assert torch.isfinite(logits).all()
