@@ -76,3 +76,17 @@ def test_transformers_loads_what_we_save(model_type, tmp_path):
     input_ids = torch.randint(0, 97, (2, 16))
     with torch.no_grad():
         assert (reloaded(input_ids).logits - ref_model(input_ids).logits).abs().max() <= 1e-5
+
+
+def test_transformers_loads_our_checkpoint_with_an_mtp_layer(tmp_path):
+    """The MTP layer sits at checkpoint index num_hidden_layers, which transformers' backbone skips."""
+    from megactx import ModelConfig
+    from megactx.model import build_model
+
+    cfg = ModelConfig.from_pretrained("tiny").replace(vocab_size=128, index_topk=16)
+    ours = build_model(cfg, seed=1)
+    save_pretrained(ours, tmp_path)
+    theirs = transformers.GlmMoeDsaForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").float().eval()
+    input_ids = torch.randint(0, 128, (2, 40))
+    with torch.no_grad():
+        assert (theirs(input_ids).logits - ours(input_ids)).abs().max() <= 1e-4
