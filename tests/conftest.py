@@ -1,5 +1,12 @@
+import os
+
 import pytest
 import torch
+
+# Without a GPU, Triton kernels run in the interpreter (small shapes only). It must be set before
+# any kernel module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_configure(config):

@@ -1,0 +1,1 @@
+"""Triton kernels for IndexShare sparse attention; `reference` holds their pure-PyTorch twins."""

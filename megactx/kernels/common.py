@@ -1,0 +1,19 @@
+"""What every Triton kernel here needs to know about where it runs."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# Under TRITON_INTERPRET=1 (CPU CI) kernels run in numpy; a bf16 tl.dot gives garbage there while
+# fp32 and fp8 dots are right, so kernels upcast their dot operands to fp32 when this is set.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def check_device(*tensors: torch.Tensor) -> None:
+    """Refuse CPU tensors unless the interpreter is on (a clear error instead of a Triton crash)."""
+    for t in tensors:
+        if t.device.type != "cuda" and not INTERPRET:
+            raise RuntimeError(f"Triton kernels need CUDA tensors (got one on {t.device}); on a CPU, "
+                               "run under TRITON_INTERPRET=1 or use the twins in megactx.kernels.reference")
