@@ -1,0 +1,203 @@
+"""Fused KV write: store new tokens' MLA latent + rope key (+ indexer key) into the paged caches.
+
+One Triton program per token writes its row of the MLA cache (bf16, or the FP8 656-byte layout)
+and, on full layers, its indexer key; layouts are in `megactx.kernels.reference`, whose `write_kv`
+is this kernel's twin. Byte for byte the kernel matches the twin run on a CPU: same scales
+(amax / 448, IEEE division), same clamp to ±448, round-to-nearest-even casts. (The twin run on
+CUDA can differ by an ulp in a scale: PyTorch there divides by a Python scalar through its
+reciprocal.)
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from megactx.kernels.common import check_device
+from megactx.kernels.reference import BLOCK_SIZE, SCALE_GROUP, mla_fp8_bytes
+
+_FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# ------------------------------------------------------------------------------ rounding
+# The casts are done on the bits rather than with `.to(tl.float8e4nv)` / `.to(tl.bfloat16)`:
+# the interpreter (CPU CI) truncates fp32 -> bf16 and rounds fp8 ties away from zero, while the
+# GPU rounds to nearest even. By hand, the CPU tests check exactly the code the GPU runs, and
+# both agree bit for bit with torch's casts. A handful of integer ops on a memory-bound kernel.
+@triton.jit
+def _e4m3_bits(x):
+    """x: fp32 with |x| <= 448 -> its e4m3fn encoding (int32 in 0..255), round to nearest even."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag = bits & 0x7FFFFFFF
+    # normal e4m3 (|x| >= 2^-6): keep 3 mantissa bits; an integer add rounds and carries into the
+    # exponent, then rebias the exponent from 127 to 7
+    normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - (120 << 3)
+    # subnormal e4m3 (steps of 2^-9): beside 2^14 an fp32 ulp is 2^-9, so the adder rounds for us
+    # and the low mantissa bits count the steps (8 steps = 2^-6 is code 8, the smallest normal)
+    subnormal = (tl.abs(x) + 16384.0).to(tl.int32, bitcast=True) - 0x46800000
+    return tl.where(mag >= 0x3C800000, normal, subnormal) | sign  # 0x3C800000 = 2^-6
+
+
+@triton.jit
+def _to_bf16(x):
+    """x: fp32/fp16/bf16 -> bf16, round to nearest even (finite inputs)."""
+    if x.dtype == tl.bfloat16:
+        return x
+    bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _quantize_e4m3(x):
+    """x: fp32 [G, D] groups (padding lanes 0) -> (e4m3 bytes [G, D] uint8, fp32 scales [G]),
+    x ≈ e4m3 · scale with scale = amax / 448 as in the twin."""
+    amax = tl.max(tl.abs(x), axis=1)
+    # div_rn: Triton's `/` is an approximate division on the GPU, the twin's an IEEE one
+    scale = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -448.0), 448.0)
+    return _e4m3_bits(q).to(tl.uint8), scale
+
+
+# ------------------------------------------------------------------------------ kernel
+@triton.jit
+def _write_kv_kernel(
+    c_ptr, stride_cn, stride_cd,          # c: [N, R] latent
+    pe_ptr, stride_pn, stride_pd,         # k_pe: [N, DR] roped key
+    ik_ptr, stride_in, stride_id,         # index_k: [N, DI] (HAS_INDEX)
+    slots_ptr,                            # [N] int32/int64, -1 = skip
+    kv_ptr,                               # bf16 [nb, 64, R + DR] or uint8 [nb, 64, ROW_BYTES]
+    idx_ptr,                              # uint8 [nb, 64 * (DI + 4)] (HAS_INDEX)
+    num_slots,                            # slots both caches hold
+    R: tl.constexpr, DR: tl.constexpr, DI: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DI: tl.constexpr,
+    FP8: tl.constexpr, HAS_INDEX: tl.constexpr,
+    BLOCK: tl.constexpr, GROUP: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + tok).to(tl.int64)
+    # the wrapper has already refused out-of-range slots (except under CUDA-graph capture, where it
+    # cannot look): never write outside the caches
+    if (slot < 0) | (slot >= num_slots):
+        return
+
+    # --- MLA cache
+    d_pe = tl.arange(0, BLOCK_DR)
+    pe = tl.load(pe_ptr + tok * stride_pn + d_pe * stride_pd, mask=d_pe < DR, other=0.0)
+    if FP8:
+        # row: R e4m3 | R / GROUP fp32 scales | DR bf16; R % 128 == 0 and DR even keep both aligned
+        NG: tl.constexpr = R // GROUP
+        ROW_BYTES: tl.constexpr = R + 4 * NG + 2 * DR
+        row = kv_ptr + slot * ROW_BYTES
+        g = tl.arange(0, BLOCK_R // GROUP)[:, None]
+        d = g * GROUP + tl.arange(0, GROUP)[None, :]  # [G, GROUP]
+        mask = d < R
+        x = tl.load(c_ptr + tok * stride_cn + d * stride_cd, mask=mask, other=0.0).to(tl.float32)
+        values, scale = _quantize_e4m3(x)
+        tl.store(row + d, values, mask=mask)
+        gs = tl.arange(0, BLOCK_R // GROUP)
+        tl.store((row + R).to(tl.pointer_type(tl.float32)) + gs, scale, mask=gs < NG)
+        tl.store((row + R + 4 * NG).to(tl.pointer_type(tl.bfloat16)) + d_pe, _to_bf16(pe), mask=d_pe < DR)
+    else:
+        row = kv_ptr + slot * (R + DR)
+        d = tl.arange(0, BLOCK_R)
+        x = tl.load(c_ptr + tok * stride_cn + d * stride_cd, mask=d < R, other=0.0)
+        tl.store(row + d, _to_bf16(x), mask=d < R)
+        tl.store(row + R + d_pe, _to_bf16(pe), mask=d_pe < DR)
+
+    # --- indexer cache: a block is 64 keys of DI e4m3 bytes, then their 64 fp32 scales
+    if HAS_INDEX:
+        block_base = idx_ptr + (slot // BLOCK) * (BLOCK * (DI + 4))
+        offset = slot % BLOCK
+        di = tl.arange(0, BLOCK_DI)[None, :]  # one group of DI: one scale per key
+        k = tl.load(ik_ptr + tok * stride_in + di * stride_id, mask=di < DI, other=0.0).to(tl.float32)
+        values, scale = _quantize_e4m3(k)
+        tl.store(block_base + offset * DI + di, values, mask=di < DI)
+        tl.store((block_base + BLOCK * DI).to(tl.pointer_type(tl.float32)) + offset + tl.arange(0, 1), scale)
+
+
+# ------------------------------------------------------------------------------ wrapper
+def _check_2d(name: str, t: torch.Tensor, n: int) -> None:
+    if t.dim() != 2 or t.shape[0] != n or t.shape[1] == 0:
+        raise ValueError(f"{name} must be [N, dim] with N = {n} (slots' length), got shape {tuple(t.shape)}")
+    if t.dtype not in _FLOAT_INPUTS:
+        raise ValueError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+
+
+def write_kv(c: torch.Tensor, k_pe: torch.Tensor, slots: torch.Tensor, kv_cache: torch.Tensor,
+             index_k: torch.Tensor | None = None, index_cache: torch.Tensor | None = None) -> None:
+    """Store new tokens into the paged caches, in place (the twin: `reference.write_kv`).
+
+    c: [N, r] latent, k_pe: [N, dr] roped key (fp32/bf16/fp16, any strides: slices of one
+    projection output are fine); slots: [N] int32/int64, block * 64 + offset, -1 = skip the token;
+    kv_cache: bf16 [num_blocks, 64, r + dr], or uint8 [num_blocks, 64, r + 4 r/128 + 2 dr] = FP8
+    (e4m3 latent, an fp32 scale per 128 values, bf16 rope); index_k: [N, DI] with index_cache:
+    uint8 [num_blocks, 64 * (DI + 4)] (full layers only). Two tokens given the same slot leave one
+    of them, unspecified which.
+
+    Checking the slots' range reads them back on the host (one sync); under CUDA-graph capture the
+    check is skipped and the kernel drops out-of-range slots instead of writing them."""
+    if slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slots must be a 1-D int32/int64 tensor, got {slots.dtype} of shape {tuple(slots.shape)}")
+    N = slots.shape[0]
+    _check_2d("c", c, N)
+    _check_2d("k_pe", k_pe, N)
+    r, dr = c.shape[1], k_pe.shape[1]
+
+    fp8 = kv_cache.dtype == torch.uint8
+    if fp8:
+        if dr % 2:
+            raise ValueError(f"the FP8 MLA cache needs an even rope dim (keeps its fp32 scales aligned), got {dr}")
+        row = mla_fp8_bytes(r, dr)  # also refuses r not divisible by 128
+    elif kv_cache.dtype == torch.bfloat16:
+        row = r + dr
+    else:
+        raise ValueError(f"kv_cache must be bfloat16 or uint8 (FP8 layout), got {kv_cache.dtype}")
+    if kv_cache.dim() != 3 or tuple(kv_cache.shape[1:]) != (BLOCK_SIZE, row):
+        raise ValueError(f"kv_cache must be [num_blocks, {BLOCK_SIZE}, {row}] for r = {r}, dr = {dr} "
+                         f"({'FP8' if fp8 else 'bf16'} layout), got shape {tuple(kv_cache.shape)}")
+    num_slots = kv_cache.shape[0] * BLOCK_SIZE
+
+    if (index_k is None) != (index_cache is None):
+        raise ValueError("index_k and index_cache come together (full layers) or not at all")
+    DI = 0
+    if index_k is not None:
+        _check_2d("index_k", index_k, N)
+        DI = index_k.shape[1]
+        if index_cache.dtype != torch.uint8 or index_cache.dim() != 2 \
+                or index_cache.shape[1] != BLOCK_SIZE * (DI + 4):
+            raise ValueError(f"index_cache must be uint8 [num_blocks, {BLOCK_SIZE * (DI + 4)}] for DI = {DI}, "
+                             f"got {index_cache.dtype} of shape {tuple(index_cache.shape)}")
+        num_slots = min(num_slots, index_cache.shape[0] * BLOCK_SIZE)
+
+    caches = [("kv_cache", kv_cache)] + ([("index_cache", index_cache)] if index_k is not None else [])
+    for name, cache in caches:
+        if not cache.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (its layout is defined on the dense tensor)")
+        if cache.dtype == torch.uint8 and cache.data_ptr() % 4:
+            raise ValueError(f"{name} must start 4-byte aligned (it holds fp32 scales)")
+    tensors = [c, k_pe, slots, kv_cache] + ([index_k, index_cache] if index_k is not None else [])
+    check_device(*tensors)
+    if any(t.device != slots.device for t in tensors):
+        raise ValueError(f"all tensors must be on one device, got {sorted({str(t.device) for t in tensors})}")
+    if N == 0:
+        return
+    if not (slots.is_cuda and torch.cuda.is_current_stream_capturing()):
+        lo, hi = torch.stack(torch.aminmax(slots)).tolist()  # the one host sync
+        if lo < -1 or hi >= num_slots:
+            raise ValueError(f"slots must be -1 or in [0, {num_slots}) (the caches' blocks × {BLOCK_SIZE}), "
+                             f"got {lo if lo < -1 else hi}")
+
+    ik = index_k if index_k is not None else c  # a placeholder the kernel never reads
+    _write_kv_kernel[(N,)](
+        c, c.stride(0), c.stride(1),
+        k_pe, k_pe.stride(0), k_pe.stride(1),
+        ik, ik.stride(0), ik.stride(1),
+        slots, kv_cache, index_cache if index_cache is not None else kv_cache, num_slots,
+        R=r, DR=dr, DI=max(DI, 1),
+        BLOCK_R=triton.next_power_of_2(r), BLOCK_DR=triton.next_power_of_2(dr),
+        BLOCK_DI=triton.next_power_of_2(max(DI, 1)),
+        FP8=fp8, HAS_INDEX=index_k is not None, BLOCK=BLOCK_SIZE, GROUP=SCALE_GROUP,
+    )

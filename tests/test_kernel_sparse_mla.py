@@ -1,0 +1,185 @@
+"""The Triton sparse MLA kernel against its twin, `megactx.kernels.reference.sparse_mla`.
+
+Error rule (DESIGN.md, the FlashAttention way): against the fp32 twin, the kernel's max error is at
+most 2x that of the same computation done in PyTorch at the kernel's precision (bf16 operands,
+bf16 scores and probabilities; fp32 when q or the cache is fp32), plus a small atol. Without a GPU
+the kernel runs in the Triton interpreter, so the CPU cases stay small; the GLM-5.2 geometry runs
+only on a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megactx.kernels import reference
+from megactx.kernels.sparse_mla import sparse_mla
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _paged_case(T: int, H: int, r: int, dr: int, K: int, *, fp8: bool, context: int = 80,
+                q_dtype: torch.dtype = torch.bfloat16, cache_dtype: torch.dtype = torch.bfloat16,
+                device: str = DEVICE, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """A paged cache holding `context` random tokens in shuffled blocks, and top-k rows over them.
+
+    Row 0 selects nothing (all -1), row 2 has half its entries knocked out; every row has -1
+    padding wherever K exceeds the context. Returns q [T, H, r + dr], kv_cache, topk_slots [T, K]
+    int32, softmax_scale."""
+    g = torch.Generator().manual_seed(seed)
+    used = math.ceil(context / reference.BLOCK_SIZE)
+    num_blocks = 2 * used + 1  # spare blocks, so that slots are neither dense nor in order
+    cache = reference.alloc_kv_cache(num_blocks, r, dr, fp8)
+    if not fp8:
+        cache = cache.to(cache_dtype)
+    blocks = torch.randperm(num_blocks, generator=g)[:used]
+    pos = torch.arange(context)
+    ctx_slots = blocks[pos // reference.BLOCK_SIZE] * reference.BLOCK_SIZE + pos % reference.BLOCK_SIZE
+    reference.write_kv(torch.randn(context, r, generator=g), torch.randn(context, dr, generator=g), ctx_slots, cache)
+
+    n = min(K, context)
+    slots = torch.full((T, K), -1, dtype=torch.int32)
+    for t in range(T):
+        row = torch.full((K,), -1, dtype=torch.int32)
+        row[:n] = ctx_slots[torch.randperm(context, generator=g)[:n]]
+        slots[t] = row[torch.randperm(K, generator=g)]  # padding scattered through the row
+    slots[0] = -1
+    if T > 2:
+        slots[2, torch.randperm(K, generator=g)[: K // 2]] = -1
+    q = torch.randn(T, H, r + dr, generator=g).to(q_dtype)
+    softmax_scale = 1.5 * (r + dr) ** -0.5  # scores of std ~1.5: a peaked but not one-hot softmax
+    return q.to(device), cache.to(device), slots.to(device), softmax_scale
+
+
+def _torch_at_precision(q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor, softmax_scale: float,
+                        r: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The twin's computation with operands, scores and probabilities rounded to `dtype` (as in
+    FlashAttention's tests): the error a plain PyTorch implementation at that precision makes."""
+    valid = topk_slots >= 0
+    kv = reference.read_kv(kv_cache, topk_slots.clamp_min(0), r).to(dtype)  # [T, K, r + dr]
+    scores = torch.einsum("thd,tkd->thk", q.to(dtype), kv) * softmax_scale  # rounded to dtype
+    scores = scores.float().masked_fill(~valid[:, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).to(dtype)
+    out = torch.einsum("thk,tkr->thr", probs, kv[..., :r])
+    return out.to(q.dtype), lse
+
+
+def _check_against_twin(q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor, softmax_scale: float,
+                        r: int, atol: float = 1e-5, **launch) -> None:
+    out, lse = sparse_mla(q, kv_cache, topk_slots, softmax_scale, r, **launch)
+    T, H, _ = q.shape
+    assert out.shape == (T, H, r) and out.dtype == q.dtype
+    assert lse.shape == (T, H) and lse.dtype == torch.float32
+
+    ref_out, ref_lse = reference.sparse_mla(q.float(), kv_cache, topk_slots, softmax_scale, r)  # fp32
+    low = torch.float32 if torch.float32 in (q.dtype, kv_cache.dtype) else torch.bfloat16
+    pt_out, pt_lse = _torch_at_precision(q, kv_cache, topk_slots, softmax_scale, r, low)
+
+    empty = (topk_slots < 0).all(-1)
+    assert torch.all(out[empty] == 0), "rows without a valid slot must give out = 0"
+    assert torch.all(lse[empty] == float("-inf")), "rows without a valid slot must give lse = -inf"
+    some = ~empty
+    if not some.any():
+        return
+    out_err = (out[some].float() - ref_out[some]).abs().max().item()
+    pt_out_err = (pt_out[some].float() - ref_out[some]).abs().max().item()
+    assert out_err <= 2 * pt_out_err + atol, f"out error {out_err:.3g} vs PyTorch-at-precision {pt_out_err:.3g}"
+    lse_err = (lse[some] - ref_lse[some]).abs().max().item()
+    pt_lse_err = (pt_lse[some] - ref_lse[some]).abs().max().item()
+    assert lse_err <= 2 * pt_lse_err + atol, f"lse error {lse_err:.3g} vs PyTorch-at-precision {pt_lse_err:.3g}"
+
+
+# ------------------------------------------------------------------------------ small shapes (CPU interpreter too)
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
+@pytest.mark.parametrize("K", [5, 64, 100])
+@pytest.mark.parametrize("r,dr", [(128, 32), (256, 64)])
+@pytest.mark.parametrize("H", [1, 3, 16])
+def test_sparse_mla_matches_twin(H, r, dr, K, fp8):
+    q, cache, slots, scale = _paged_case(6, H, r, dr, K, fp8=fp8, seed=H * 1000 + r + K)
+    _check_against_twin(q, cache, slots, scale, r)
+
+
+@pytest.mark.parametrize("q_dtype,cache_dtype,fp8", [
+    (torch.float32, torch.float32, False),
+    (torch.float32, torch.bfloat16, False),
+    (torch.bfloat16, torch.float32, False),
+    (torch.float32, None, True),
+], ids=["fp32-q-fp32-cache", "fp32-q-bf16-cache", "bf16-q-fp32-cache", "fp32-q-fp8-cache"])
+def test_sparse_mla_fp32_inputs_match_twin(q_dtype, cache_dtype, fp8):
+    q, cache, slots, scale = _paged_case(5, 4, 128, 32, 40, fp8=fp8, q_dtype=q_dtype,
+                                         cache_dtype=cache_dtype or torch.bfloat16)
+    _check_against_twin(q, cache, slots, scale, 128)
+
+
+@pytest.mark.parametrize("H,r,dr", [(4, 64, 32), (5, 96, 24)], ids=["tiny-preset", "non-power-of-two"])
+def test_sparse_mla_small_and_odd_latents(H, r, dr):
+    q, cache, slots, scale = _paged_case(7, H, r, dr, 50, fp8=False, seed=7)
+    _check_against_twin(q, cache, slots, scale, r)
+
+
+def test_sparse_mla_several_head_blocks_and_key_tiles():
+    # H = 20 in blocks of 16 heads: the second block is mostly padding; K = 100 spans 7 tiles of 16.
+    q, cache, slots, scale = _paged_case(4, 20, 128, 32, 100, fp8=True, context=130, seed=3)
+    _check_against_twin(q, cache, slots, scale, 128, block_h=16, block_n=16)
+
+
+def test_sparse_mla_decode_rows_of_one_sequence():
+    # Decode of 4 tokens of one sequence (MTP verify): token t sees the context plus new tokens 0..t.
+    q, cache, slots, scale = _paged_case(4, 16, 128, 64, 8, fp8=False, context=70, seed=11)
+    seen = torch.arange(8, device=q.device)[None, :] < torch.arange(5, 9, device=q.device)[:, None]
+    topk = torch.where(seen, slots[1][None, :], -1)  # row 1 of the case: 8 valid slots
+    _check_against_twin(q, cache, topk.contiguous(), scale, 128)
+
+
+def test_sparse_mla_accepts_strided_q_and_int64_slots():
+    q, cache, slots, scale = _paged_case(5, 6, 128, 32, 30, fp8=False, seed=5)
+    q_strided = torch.cat([q, q], dim=1)[:, ::2]  # [T, H, D] with a head stride of 2 D
+    assert not q_strided.is_contiguous()
+    _check_against_twin(q_strided, cache, slots.long(), scale, 128)
+
+
+def test_sparse_mla_empty_batch_and_empty_topk():
+    q, cache, slots, scale = _paged_case(3, 2, 128, 32, 8, fp8=False)
+    out, lse = sparse_mla(q[:0], cache, slots[:0], scale, 128)
+    assert out.shape == (0, 2, 128) and lse.shape == (0, 2)
+    out, lse = sparse_mla(q, cache, slots[:, :0], scale, 128)
+    assert torch.all(out == 0) and torch.all(lse == float("-inf"))
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda a: {**a, "q": a["q"][0]}, "q must be"),
+    (lambda a: {**a, "q": a["q"].half()}, "q must be bf16 or fp32"),
+    (lambda a: {**a, "kv_cache": a["kv_cache"][:, :32]}, "kv_cache must be"),
+    (lambda a: {**a, "kv_cache": a["kv_cache"].half()}, "kv_cache must be bf16, fp32 or uint8"),
+    (lambda a: {**a, "kv_cache": a["kv_cache"][..., :-1]}, "kv_cache rows must hold"),
+    (lambda a: {**a, "topk_slots": a["topk_slots"][1:]}, "topk_slots must be"),
+    (lambda a: {**a, "topk_slots": a["topk_slots"].float()}, "topk_slots must be int32 or int64"),
+    (lambda a: {**a, "kv_lora_rank": 160}, "kv_lora_rank"),
+    (lambda a: {**a, "kv_lora_rank": 96, "kv_cache": torch.zeros(2, 64, 96 + 3 * 4 + 2 * 64, dtype=torch.uint8,
+                                                                  device=a["q"].device)}, "FP8 kv_cache needs"),
+], ids=["q-rank", "q-dtype", "cache-page", "cache-dtype", "cache-row", "slots-rows", "slots-dtype", "rank",
+        "fp8-rank"])
+def test_sparse_mla_rejects_bad_arguments(change, match):
+    q, cache, slots, scale = _paged_case(3, 2, 128, 32, 8, fp8=False)
+    args = change({"q": q, "kv_cache": cache, "topk_slots": slots, "softmax_scale": scale, "kv_lora_rank": 128})
+    with pytest.raises(ValueError, match=match):
+        sparse_mla(**args)
+
+
+# ------------------------------------------------------------------------------ GLM-5.2 geometry (GPU only)
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
+@pytest.mark.parametrize("H", [64, 16, 1])
+def test_sparse_mla_matches_twin_glm52_geometry(H, fp8):
+    q, cache, slots, scale = _paged_case(64, H, 512, 64, 2048, fp8=fp8, context=4096, device="cuda", seed=52)
+    _check_against_twin(q, cache, slots, scale, 512)
+
+
+@pytest.mark.gpu
+def test_sparse_mla_glm52_padded_topk_gpu():
+    # Short contexts (early prefill, short requests): K = 2048 rows with only 300 valid slots.
+    q, cache, slots, scale = _paged_case(64, 64, 512, 64, 2048, fp8=True, context=300, device="cuda", seed=53)
+    _check_against_twin(q, cache, slots, scale, 512)
