@@ -1,0 +1,231 @@
+"""The Triton indexer kernel against its twin (reference.indexer_logits) and against the exact,
+unquantized indexer. On a CPU the kernel runs in the Triton interpreter, so shapes stay small."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megactx.kernels import reference as ref
+from megactx.kernels.indexer import indexer_logits, indexer_topk_chunked
+from megactx.model.quant import FP8, hadamard, quantize_rows
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Kernel vs twin on the same FP8 inputs. The interpreter differs only in fp32 summation order;
+# Hopper's FP8 tensor cores accumulate with fewer bits (measured ~4e-4 of a row's max at DI = 128).
+TOL = 2e-3 if DEVICE == "cuda" else 1e-5
+LENS = (1, 63, 64, 65, 200)  # around the 64-token block edges, in one batch
+
+
+def _paged_keys(lens, DI, gen, device=DEVICE, spare=3):
+    """Random keys of each sequence [L_b, DI] fp32 written into an indexer cache whose physical
+    blocks are shuffled; spare blocks hold garbage keys that no query may see.
+    -> (index_cache, block_table [B, max_blocks] int32 (-1 past the end), keys list)."""
+    counts = [-(-L // ref.BLOCK_SIZE) for L in lens]
+    num_blocks = sum(counts) + spare
+    cache = ref.alloc_index_cache(num_blocks, DI, device=device)
+    kv = ref.alloc_kv_cache(num_blocks, 128, 64, fp8=False, device=device)  # write_kv needs one; unused here
+    block_table = torch.full((len(lens), max(counts)), -1, dtype=torch.int32, device=device)
+    perm = torch.randperm(num_blocks, generator=gen).to(device)
+    keys, used = [], 0
+    for b, (L, c) in enumerate(zip(lens, counts)):
+        block_table[b, :c] = perm[used : used + c].int()
+        used += c
+        keys.append(torch.randn(L, DI, generator=gen).to(device))
+    garbage = perm[used:].repeat_interleave(ref.BLOCK_SIZE) * ref.BLOCK_SIZE + torch.arange(
+        ref.BLOCK_SIZE, device=device).repeat(spare)
+    for slots, k in [(_slots(block_table[b], len(k)), k) for b, k in enumerate(keys)] + [
+            (garbage, 100 * torch.randn(len(garbage), DI, generator=gen).to(device))]:
+        n = len(slots)
+        ref.write_kv(torch.zeros(n, 128, device=device), torch.zeros(n, 64, device=device), slots, kv, k, cache)
+    return cache, block_table, keys
+
+
+def _slots(table_row, L):
+    pos = torch.arange(L, device=table_row.device)
+    return table_row[pos // ref.BLOCK_SIZE].long() * ref.BLOCK_SIZE + pos % ref.BLOCK_SIZE
+
+
+def _rows(lens, prefill, decode):
+    """Query rows: causal prefill of the whole of each sequence in `prefill`, and the last
+    `decode[b]` positions of sequence b (speculative verify; a count > L also gives rows seeing no
+    key). -> (seq_idx [T], key_len [T]) int32."""
+    seq, klen = [], []
+    for b in prefill:
+        seq += [b] * lens[b]
+        klen += range(1, lens[b] + 1)
+    for b, n in decode.items():
+        seq += [b] * n
+        klen += [max(lens[b] - n + 1 + j, 0) for j in range(n)]
+    as_tensor = lambda x: torch.tensor(x, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    return as_tensor(seq), as_tensor(klen)
+
+
+def _fp8_queries(T, HI, DI, gen):
+    q = torch.randn(T, HI, DI, generator=gen) * 3
+    q8, q_scale = quantize_rows(q)
+    w = torch.randn(T, HI, generator=gen) * q_scale * (HI * DI) ** -0.5  # scales folded in, as the model does
+    return q8.to(DEVICE), w.to(DEVICE)
+
+
+def _assert_close_to_twin(got, want):
+    visible = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(got), visible), "the kernel masks other keys than the twin"
+    assert (got[~visible] == float("-inf")).all()
+    row_max = want.masked_fill(~visible, 0).abs().amax(-1, keepdim=True).clamp_min(1e-30)
+    err = ((got - want).abs() / row_max)[visible]  # only the fp32 summation order differs
+    assert err.numel() == 0 or err.max() < TOL, f"max error {err.max():.2e} of the row max"
+
+
+# ------------------------------------------------------------------------------ kernel vs twin
+@pytest.mark.parametrize("DI", [64, 128])
+@pytest.mark.parametrize("HI", [4, 16, 32])
+def test_logits_match_twin_prefill_and_decode_rows(HI, DI):
+    gen = torch.Generator().manual_seed(HI * 1000 + DI)
+    cache, block_table, _ = _paged_keys(LENS, DI, gen)
+    # causal prefill of the short sequences, a speculative-verify batch of several rows on the rest
+    seq_idx, key_len = _rows(LENS, prefill=[0, 1, 3], decode={2: 3, 4: 5})
+    q, w = _fp8_queries(len(seq_idx), HI, DI, gen)
+    max_keys = 256  # past every key_len: those columns must be -inf
+    got = indexer_logits(q, w, cache, block_table, seq_idx, key_len, max_keys)
+    assert got.shape == (len(seq_idx), max_keys) and got.dtype == torch.float32
+    _assert_close_to_twin(got, ref.indexer_logits(q, w, cache, block_table, seq_idx, key_len, max_keys))
+
+
+@pytest.mark.parametrize("block_m,block_n", [(1, 64), (2, 128), (16, 64), (4, 256)])
+def test_logits_match_twin_any_tiling_and_row_order(block_m, block_n):
+    """Rows of different sequences interleaved (tiles of several groups), rows that see no key,
+    and tiles both narrower and wider than a sequence."""
+    HI, DI = 16, 64
+    gen = torch.Generator().manual_seed(block_m * 7 + block_n)
+    cache, block_table, _ = _paged_keys(LENS, DI, gen)
+    seq_idx, key_len = _rows(LENS, prefill=[1], decode={0: 3, 2: 4, 3: 2, 4: 6})
+    order = torch.randperm(len(seq_idx), generator=gen).to(DEVICE)
+    seq_idx, key_len = seq_idx[order], key_len[order]
+    q, w = _fp8_queries(len(seq_idx), HI, DI, gen)
+    got = indexer_logits(q, w, cache, block_table, seq_idx, key_len, 300, block_m=block_m, block_n=block_n)
+    _assert_close_to_twin(got, ref.indexer_logits(q, w, cache, block_table, seq_idx, key_len, 300))
+
+
+def test_logits_cut_at_max_keys_below_key_len():
+    HI, DI = 16, 64
+    gen = torch.Generator().manual_seed(5)
+    cache, block_table, _ = _paged_keys(LENS, DI, gen)
+    seq_idx, key_len = _rows(LENS, prefill=[], decode={4: 4, 3: 2})
+    q, w = _fp8_queries(len(seq_idx), HI, DI, gen)
+    got = indexer_logits(q, w, cache, block_table, seq_idx, key_len, 100)
+    _assert_close_to_twin(got, ref.indexer_logits(q, w, cache, block_table, seq_idx, key_len, 100))
+
+
+def test_logits_refuse_bad_inputs():
+    cache = ref.alloc_index_cache(2, 64, device=DEVICE)
+    table = torch.zeros(1, 2, dtype=torch.int32, device=DEVICE)
+    one = torch.ones(1, dtype=torch.int32, device=DEVICE)
+    w = torch.zeros(1, 4, device=DEVICE)
+    q8 = lambda DI: torch.zeros(1, 4, DI, device=DEVICE).to(FP8)  # noqa: E731
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        indexer_logits(torch.zeros(1, 4, 64, device=DEVICE), w, cache, table, one * 0, one, 64)
+    with pytest.raises(ValueError, match="index_cache"):
+        indexer_logits(q8(128), w, cache, table, one * 0, one, 64)
+    with pytest.raises(ValueError, match="contiguous"):
+        indexer_logits(q8(32), w, cache[:, : 64 * (32 + 4)], table, one * 0, one, 64)
+    with pytest.raises(ValueError, match="block_n"):
+        indexer_logits(q8(64), w, cache, table, one * 0, one, 64, block_n=96)
+
+
+# ------------------------------------------------------------------------------ FP8 vs exact
+@pytest.mark.parametrize("HI,DI", [(16, 64), (32, 128)])
+def test_fp8_logits_track_the_exact_indexer(HI, DI):
+    """The production path (Hadamard rotation, e4m3 q and k with per-row scales) against fp32
+    logits of the unquantized q and k: correlation >= 0.99, top-k overlap >= 0.95."""
+    gen = torch.Generator().manual_seed(HI + DI)
+    L, T, topk = 512, 16, 64
+    q = torch.randn(T, HI, DI, generator=gen)
+    k = torch.randn(L, DI, generator=gen)
+    q[..., :2] *= 6  # a few outlier channels, as real activations have: the rotation spreads them
+    k[:, :2] *= 6
+    w = torch.randn(T, HI, generator=gen) * (HI * DI) ** -0.5
+    exact = torch.einsum("th,thl->tl", w, torch.einsum("thd,ld->thl", q, k).relu())
+
+    rot = hadamard(DI)
+    q8, q_scale = quantize_rows(q @ rot)
+    table = torch.randperm(L // ref.BLOCK_SIZE, generator=gen).int()[None].to(DEVICE)
+    cache = ref.alloc_index_cache(L // ref.BLOCK_SIZE, DI, device=DEVICE)
+    kv = ref.alloc_kv_cache(L // ref.BLOCK_SIZE, 128, 64, fp8=False, device=DEVICE)
+    zeros = torch.zeros(L, 128 + 64, device=DEVICE)
+    ref.write_kv(zeros[:, :128], zeros[:, 128:], _slots(table[0], L), kv, (k @ rot).to(DEVICE), cache)
+    seq_idx = torch.zeros(T, dtype=torch.int32, device=DEVICE)
+    key_len = torch.full((T,), L, dtype=torch.int32, device=DEVICE)
+    got = indexer_logits(q8.to(DEVICE), (w * q_scale).to(DEVICE), cache, table, seq_idx, key_len, L).cpu()
+
+    corr = torch.corrcoef(torch.stack([got.flatten(), exact.flatten()]))[0, 1]
+    assert corr >= 0.99, f"correlation {corr:.4f}"
+    mine, best = got.topk(topk).indices, exact.topk(topk).indices
+    overlap = sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(mine, best)) / (T * topk)
+    assert overlap >= 0.95, f"top-{topk} overlap {overlap:.3f}"
+
+
+# ------------------------------------------------------------------------------ chunked top-k
+def _assert_same_topk(got, want, logits, block_table, seq_idx, tol=2 * TOL):
+    """Same slot sets per row, up to near-ties: slots in one set only must score (by the twin's
+    logits) within tol (of the row max) of the row's k-th best. Logits off by TOL each can swap
+    keys up to 2 TOL apart."""
+    assert got.shape == want.shape and got.dtype == torch.int32
+    got, want, logits = got.cpu(), want.cpu(), logits.cpu()
+    for t in range(got.shape[0]):
+        g, wt = got[t][got[t] >= 0].tolist(), want[t][want[t] >= 0].tolist()
+        assert len(g) == len(set(g)) == len(wt), f"row {t}: {len(g)} slots (distinct {len(set(g))}), want {len(wt)}"
+        differ = set(g) ^ set(wt)
+        if not differ:
+            continue
+        table = block_table[seq_idx[t]].long().cpu()
+        pos_of = {int(table[p // ref.BLOCK_SIZE]) * ref.BLOCK_SIZE + p % ref.BLOCK_SIZE: p
+                  for p in range(logits.shape[1]) if torch.isfinite(logits[t, p])}
+        assert differ <= set(pos_of), f"row {t} picks slots it may not see"
+        kth = min(logits[t, pos_of[s]] for s in wt)
+        scale = logits[t].masked_fill(~torch.isfinite(logits[t]), 0).abs().max()
+        assert all(abs(logits[t, pos_of[s]] - kth) <= tol * scale for s in differ), f"row {t}: different top-k"
+
+
+@pytest.mark.parametrize("k,chunk_tokens", [(16, 7), (300, 64), (1, 1000)])
+def test_topk_chunked_matches_twin(k, chunk_tokens):
+    HI, DI = 16, 64
+    gen = torch.Generator().manual_seed(k + chunk_tokens)
+    cache, block_table, _ = _paged_keys(LENS, DI, gen)
+    # rows of sequence 0 past its one key see nothing (empty rows); k = 300 exceeds every context
+    seq_idx, key_len = _rows(LENS, prefill=[1], decode={0: 3, 3: 4, 4: 5})
+    q, w = _fp8_queries(len(seq_idx), HI, DI, gen)
+    got = indexer_topk_chunked(q, w, cache, block_table, seq_idx, key_len, k, chunk_tokens)
+    logits = ref.indexer_logits(q, w, cache, block_table, seq_idx, key_len, int(key_len.max()))
+    want = ref.logical_to_slots(block_table, seq_idx, ref.indexer_topk(logits, k))
+    assert ((got >= 0).sum(-1) == key_len.clamp_max(k)).all()
+    _assert_same_topk(got, want, logits, block_table, seq_idx)
+
+
+def test_topk_chunked_all_rows_empty():
+    gen = torch.Generator().manual_seed(0)
+    cache, block_table, _ = _paged_keys((64,), 64, gen)
+    q, w = _fp8_queries(3, 4, 64, gen)
+    zeros = torch.zeros(3, dtype=torch.int32, device=DEVICE)
+    got = indexer_topk_chunked(q, w, cache, block_table, zeros, zeros, 8, 2)
+    assert got.shape == (3, 8) and (got == -1).all()
+
+
+# ------------------------------------------------------------------------------ GPU, GLM geometry
+@pytest.mark.gpu
+@pytest.mark.parametrize("HI", [32, 64])  # GLM-5.2, DeepSeek-V3.2
+def test_glm_geometry_8k_matches_twin(HI):
+    DI, L, topk = 128, 8192, 2048
+    gen = torch.Generator().manual_seed(HI)
+    lens = (L, L - 100, 3000, 1)
+    cache, block_table, _ = _paged_keys(lens, DI, gen)
+    # 64 rows: a prefill chunk ending the 8K sequence, a speculative verify of 8 rows on the second,
+    # single-token decodes on the others
+    seq_idx, key_len = _rows(lens, prefill=[], decode={0: 48, 1: 8, 2: 7, 3: 1})
+    q, w = _fp8_queries(len(seq_idx), HI, DI, gen)
+    got = indexer_logits(q, w, cache, block_table, seq_idx, key_len, L)
+    logits = ref.indexer_logits(q, w, cache, block_table, seq_idx, key_len, L)
+    _assert_close_to_twin(got, logits)
+    slots = indexer_topk_chunked(q, w, cache, block_table, seq_idx, key_len, topk, chunk_tokens=16)
+    want = ref.logical_to_slots(block_table, seq_idx, ref.indexer_topk(logits, topk))
+    _assert_same_topk(slots, want, logits, block_table, seq_idx)
