@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from megactx.model.quant import FP8, FP8_MAX
+from megactx.model.quant import FP8, quantize_rows
 
 BLOCK_SIZE = 64
 SCALE_GROUP = 128  # latent values sharing one fp32 scale in the FP8 MLA cache
@@ -44,14 +44,6 @@ def alloc_index_cache(num_blocks: int, index_dim: int, device: str | torch.devic
     return torch.zeros(num_blocks, BLOCK_SIZE * (index_dim + 4), dtype=torch.uint8, device=device)
 
 
-def _quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [N, D] -> (e4m3 [N, D], fp32 scales [N, D / group]) with x ≈ values * scale per group."""
-    N, D = x.shape
-    g = x.float().view(N, D // group, group)
-    scale = g.abs().amax(-1).clamp_min(1e-12) / FP8_MAX
-    return (g / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(N, D), scale
-
-
 # ------------------------------------------------------------------------------ KV write
 def write_kv(c: torch.Tensor, k_pe: torch.Tensor, slots: torch.Tensor, kv_cache: torch.Tensor,
              index_k: torch.Tensor | None = None, index_cache: torch.Tensor | None = None) -> None:
@@ -63,7 +55,8 @@ def write_kv(c: torch.Tensor, k_pe: torch.Tensor, slots: torch.Tensor, kv_cache:
     c, k_pe, slots = c[keep], k_pe[keep], slots[keep].long()
     block, offset = slots // BLOCK_SIZE, slots % BLOCK_SIZE
     if kv_cache.dtype == torch.uint8:
-        values, scales = _quantize_groups(c, SCALE_GROUP)
+        values, scales = quantize_rows(c.unflatten(-1, (-1, SCALE_GROUP)))  # a scale per 128 values
+        values = values.flatten(-2)
         row = torch.cat([values.view(torch.uint8), scales.contiguous().view(torch.uint8),
                          k_pe.to(torch.bfloat16).contiguous().view(torch.uint8)], dim=-1)
         kv_cache[block, offset] = row
@@ -72,7 +65,7 @@ def write_kv(c: torch.Tensor, k_pe: torch.Tensor, slots: torch.Tensor, kv_cache:
     if index_k is not None:
         index_k = index_k[keep]
         DI = index_k.shape[-1]
-        values, scales = _quantize_groups(index_k, DI)  # one scale per key
+        values, scales = quantize_rows(index_k)  # one scale per key
         cols = offset[:, None] * DI + torch.arange(DI, device=slots.device)
         index_cache[block[:, None], cols] = values.view(torch.uint8)
         scale_cols = BLOCK_SIZE * DI + offset[:, None] * 4 + torch.arange(4, device=slots.device)
