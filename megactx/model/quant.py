@@ -45,7 +45,7 @@ def quantize_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tup
 
 
 def dequantize_blocks(w8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
-    """Inverse of `quantize_blocks`: fp32 [out, in]. Accepts any leading expert axes on neither."""
+    """Inverse of `quantize_blocks`: w8 [out, in] e4m3 + scale_inv per block -> fp32 [out, in]."""
     out_f, in_f = w8.shape
     br, bc = block
     rows, cols = math.ceil(out_f / br), math.ceil(in_f / bc)
