@@ -17,13 +17,13 @@ TOL = 2e-3 if DEVICE == "cuda" else 1e-5
 LENS = (1, 63, 64, 65, 200)  # around the 64-token block edges, in one batch
 
 
-def _paged_keys(lens, DI, gen, device=DEVICE, spare=3):
+def _paged_keys(lens, DI, gen, device=DEVICE, spare=3, dtype=torch.uint8):
     """Random keys of each sequence [L_b, DI] fp32 written into an indexer cache whose physical
     blocks are shuffled; spare blocks hold garbage keys that no query may see.
     -> (index_cache, block_table [B, max_blocks] int32 (-1 past the end), keys list)."""
     counts = [-(-L // ref.BLOCK_SIZE) for L in lens]
     num_blocks = sum(counts) + spare
-    cache = ref.alloc_index_cache(num_blocks, DI, device=device)
+    cache = ref.alloc_index_cache(num_blocks, DI, device=device, dtype=dtype)
     kv = ref.alloc_kv_cache(num_blocks, 128, 64, fp8=False, device=device)  # write_kv needs one; unused here
     block_table = torch.full((len(lens), max(counts)), -1, dtype=torch.int32, device=device)
     perm = torch.randperm(num_blocks, generator=gen).to(device)
@@ -107,6 +107,23 @@ def test_logits_match_twin_any_tiling_and_row_order(block_m, block_n):
     _assert_close_to_twin(got, ref.indexer_logits(q, w, cache, block_table, seq_idx, key_len, 300))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_logits_exact_cache_match_twin(dtype):
+    """The exact (unquantized) path: float queries over a float cache, no scales."""
+    HI, DI = 4, 64
+    gen = torch.Generator().manual_seed(11)
+    cache, block_table, _ = _paged_keys(LENS, DI, gen, dtype=dtype)
+    seq_idx, key_len = _rows(LENS, prefill=[0, 1, 3], decode={2: 3, 4: 5})
+    q = torch.randn(len(seq_idx), HI, DI, generator=gen).to(DEVICE, dtype)
+    w = (torch.randn(len(seq_idx), HI, generator=gen) * (HI * DI) ** -0.5).to(DEVICE)
+    got = indexer_logits(q, w, cache, block_table, seq_idx, key_len, 256)
+    want = ref.indexer_logits(q, w, cache, block_table, seq_idx, key_len, 256)
+    _assert_close_to_twin(got, want)
+    if dtype == torch.float32:  # exact dots: only the summation order differs from the twin
+        visible = torch.isfinite(want)
+        torch.testing.assert_close(got[visible], want[visible], rtol=1e-5, atol=1e-6)
+
+
 def test_logits_cut_at_max_keys_below_key_len():
     HI, DI = 16, 64
     gen = torch.Generator().manual_seed(5)
@@ -125,6 +142,8 @@ def test_logits_refuse_bad_inputs():
     q8 = lambda DI: torch.zeros(1, 4, DI, device=DEVICE).to(FP8)  # noqa: E731
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         indexer_logits(torch.zeros(1, 4, 64, device=DEVICE), w, cache, table, one * 0, one, 64)
+    with pytest.raises(ValueError, match="exact indexer cache"):
+        indexer_logits(q8(64), w, ref.alloc_index_cache(2, 64, DEVICE, torch.float32), table, one * 0, one, 64)
     with pytest.raises(ValueError, match="index_cache"):
         indexer_logits(q8(128), w, cache, table, one * 0, one, 64)
     with pytest.raises(ValueError, match="contiguous"):
@@ -197,7 +216,7 @@ def test_topk_chunked_matches_twin(k, chunk_tokens):
     q, w = _fp8_queries(len(seq_idx), HI, DI, gen)
     got = indexer_topk_chunked(q, w, cache, block_table, seq_idx, key_len, k, chunk_tokens)
     logits = ref.indexer_logits(q, w, cache, block_table, seq_idx, key_len, int(key_len.max()))
-    want = ref.logical_to_slots(block_table, seq_idx, ref.indexer_topk(logits, k))
+    want = ref.logical_to_slots(block_table, seq_idx, ref.topk_rows(logits, k))
     assert ((got >= 0).sum(-1) == key_len.clamp_max(k)).all()
     _assert_same_topk(got, want, logits, block_table, seq_idx)
 
@@ -227,5 +246,5 @@ def test_glm_geometry_8k_matches_twin(HI):
     logits = ref.indexer_logits(q, w, cache, block_table, seq_idx, key_len, L)
     _assert_close_to_twin(got, logits)
     slots = indexer_topk_chunked(q, w, cache, block_table, seq_idx, key_len, topk, chunk_tokens=16)
-    want = ref.logical_to_slots(block_table, seq_idx, ref.indexer_topk(logits, topk))
+    want = ref.logical_to_slots(block_table, seq_idx, ref.topk_rows(logits, topk))
     _assert_same_topk(slots, want, logits, block_table, seq_idx)

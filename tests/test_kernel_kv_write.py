@@ -107,6 +107,42 @@ def test_write_kv_matches_twin_token_counts(fp8, N, geometry):
     _check_against_twin(N, geometry, fp8, True, torch.bfloat16, DEVICE, num_blocks=5)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_write_kv_exact_caches_store_the_values(cache_dtype):
+    """Exact layouts (an fp32 or bf16 MLA cache, a float indexer cache): each written row holds the
+    inputs cast to the cache dtype, the twin writes the same bytes, other slots stay zero."""
+    N, num_blocks, (r, dr, DI) = 9, 3, (128, 32, 64)
+    c, k_pe, index_k = _inputs(N, (r, dr, DI), torch.float32, DEVICE)
+    slots = _slots(N, num_blocks, DEVICE)
+    caches = [(ref.alloc_kv_cache(num_blocks, r, dr, False, DEVICE, cache_dtype),
+               ref.alloc_index_cache(num_blocks, DI, DEVICE, cache_dtype)) for _ in range(2)]
+    write_kv(c, k_pe, slots, *caches[0][:1], index_k, caches[0][1])
+    ref.write_kv(c, k_pe, slots, *caches[1][:1], index_k, caches[1][1])
+    (kv, idx), (kv_twin, idx_twin) = caches
+    assert torch.equal(kv, kv_twin) and torch.equal(idx, idx_twin)
+    keep = slots >= 0
+    written = slots[keep]
+    assert torch.equal(ref.read_kv(kv, written, r), torch.cat([c, k_pe], -1)[keep].to(cache_dtype).float())
+    values, scales = ref.read_index_k(idx, written, DI)
+    assert torch.equal(values, index_k[keep].to(cache_dtype).float()) and bool((scales == 1).all())
+    untouched = torch.ones(num_blocks * ref.BLOCK_SIZE, dtype=torch.bool, device=DEVICE)
+    untouched[written] = False
+    assert not kv.flatten(0, 1)[untouched].any() and not idx.view(-1, DI)[untouched].any()
+
+
+def test_write_kv_skips_out_of_range_slots_without_a_check():
+    """Without check_slots the wrapper does not read slots back: the kernel drops bad ones itself."""
+    N, num_blocks, (r, dr, DI) = 6, 2, (128, 32, 64)
+    c, k_pe, index_k = _inputs(N, (r, dr, DI), torch.float32, DEVICE)
+    slots = torch.tensor([0, num_blocks * ref.BLOCK_SIZE, 5, -7, 10**6, 127], device=DEVICE)
+    kv, idx = ref.alloc_kv_cache(num_blocks, r, dr, True, DEVICE), ref.alloc_index_cache(num_blocks, DI, DEVICE)
+    write_kv(c, k_pe, slots, kv, index_k, idx)
+    keep = torch.tensor([True, False, True, False, False, True], device=DEVICE)
+    kv_twin, idx_twin = ref.alloc_kv_cache(num_blocks, r, dr, True), ref.alloc_index_cache(num_blocks, DI)
+    ref.write_kv(c[keep].cpu(), k_pe[keep].cpu(), slots[keep].cpu(), kv_twin, index_k[keep].cpu(), idx_twin)
+    assert torch.equal(kv.cpu(), kv_twin) and torch.equal(idx.cpu(), idx_twin)
+
+
 def test_write_kv_takes_fp16_inputs_and_int32_slots():
     _check_against_twin(7, (128, 32, 64), True, True, torch.float16, DEVICE, num_blocks=2, slot_dtype=torch.int32)
 
@@ -170,7 +206,7 @@ def _valid_args(fp8=True):
     (dict(slots=torch.tensor([0.0, 1.0, 2.0])), "slots must be"),
     (dict(slots=torch.tensor([0, 64, 1])), r"slots must be -1 or in \[0, 64\).*got 64"),
     (dict(slots=torch.tensor([0, -2, 1])), "slots must be -1 or in"),
-    (dict(kv_cache=torch.zeros(1, 64, 160)), "kv_cache must be bfloat16 or uint8"),
+    (dict(kv_cache=torch.zeros(1, 64, 160, dtype=torch.float16)), "kv_cache must be bfloat16, float32"),
     (dict(kv_cache=ref.alloc_kv_cache(1, 128, 64, True)), r"kv_cache must be \[num_blocks, 64, 196\]"),
     (dict(kv_cache=ref.alloc_kv_cache(1, 128, 32, False)[:, :, :150]), r"kv_cache must be \[num_blocks, 64, 160\]"),
     (dict(kv_cache=torch.zeros(64, 2, 196, dtype=torch.uint8).transpose(0, 1)), "kv_cache must be contiguous"),
@@ -181,7 +217,8 @@ def _valid_args(fp8=True):
 ])
 def test_write_kv_refuses_bad_arguments(change, message):
     with pytest.raises(ValueError, match=message):
-        write_kv(**{name: t.to(DEVICE) if t is not None else None for name, t in (_valid_args() | change).items()})
+        write_kv(**{name: t.to(DEVICE) if t is not None else None for name, t in (_valid_args() | change).items()},
+                 check_slots=True)
 
 
 # ------------------------------------------------------------------------------ GPU

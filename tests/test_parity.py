@@ -6,29 +6,11 @@ Each case builds a tiny random model with transformers (fp32, eager), saves it, 
 import pytest
 import torch
 
-from hf_models import hf_model
+from hf_models import CASES, hf_model
 from megactx import load_model
 from megactx.model import save_pretrained
 
 transformers = pytest.importorskip("transformers")
-
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 1024,
-        "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
-
-CASES = {
-    "glm-all-full": ("glm_moe_dsa", dict(index_topk_freq=1)),
-    "glm-freq2-offset1": ("glm_moe_dsa", dict(index_topk_freq=2, index_skip_topk_offset=1)),
-    "glm-freq4-offset3": ("glm_moe_dsa", dict(num_hidden_layers=8, index_topk_freq=4, index_skip_topk_offset=3)),
-    "glm-freq4-offset2": ("glm_moe_dsa", dict(num_hidden_layers=6, index_topk_freq=4, index_skip_topk_offset=2)),
-    "glm-pattern-FSSF": ("glm_moe_dsa", dict(index_topk_pattern="FSSF")),
-    "glm-pattern-FFSFSS": ("glm_moe_dsa", dict(num_hidden_layers=6, index_topk_pattern="FFSFSS")),
-    "glm-topk-above-seq": ("glm_moe_dsa", dict(index_topk=64, index_topk_freq=2, index_skip_topk_offset=1)),
-    "glm-all-dense": ("glm_moe_dsa", dict(first_k_dense_replace=4)),
-    "glm-grouped-routing": ("glm_moe_dsa", dict(n_group=4, topk_group=2, num_experts_per_tok=3)),
-    "glm-no-norm-topk": ("glm_moe_dsa", dict(norm_topk_prob=False, routed_scaling_factor=1.0)),
-    "dsv32-default": ("deepseek_v32", dict()),
-    "dsv32-yarn-groups": ("deepseek_v32", dict(rope_parameters=YARN, n_group=4, topk_group=2)),
-}
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -128,11 +128,3 @@ def test_bf16_load(tiny, tmp_path):
     assert model.model.layers[4].mlp.gate.weight.dtype == torch.float32
     ref = tiny(ids())
     assert ((model(ids()) - ref).norm() / ref.norm()) < 0.05
-
-
-def test_triton_backend_is_refused_until_the_kernels_exist(tiny, tmp_path):
-    save_pretrained(tiny, tmp_path)
-    with pytest.raises(NotImplementedError, match="triton"):
-        load_model(tmp_path, backend="triton")
-    with pytest.raises(ValueError, match="backend"):
-        load_model(tmp_path, backend="cuda")

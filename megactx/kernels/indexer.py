@@ -1,4 +1,4 @@
-"""Lightning-indexer logits over the paged FP8 indexer cache (Triton), and a chunked top-k on top.
+"""Lightning-indexer logits over the paged indexer cache (Triton, FP8 or exact), and a chunked top-k on top.
 
 One kernel serves prefill (a variable-length batch, each query with its own causal key range) and
 decode / speculative verify (a few query tokens a sequence over a long paged cache): every query
@@ -24,15 +24,15 @@ import torch
 import triton
 import triton.language as tl
 
-from megactx.kernels.common import check_device
-from megactx.kernels.reference import BLOCK_SIZE, logical_to_slots
+from megactx.kernels.common import INTERPRET, check_device
+from megactx.kernels.reference import BLOCK_SIZE, chunked_topk, topk_rows
 from megactx.model.quant import FP8
 
 
 @triton.jit
 def _weighted_relu_dot(q_ptr, w_ptr, k, first_row, T, stride_qt, stride_qh, stride_wt,
                        HI: tl.constexpr, DI: tl.constexpr, HI_PAD: tl.constexpr, ROWS: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
+                       BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr):
     """Rows first_row .. first_row + ROWS - 1 against the key tile k [BLOCK_N, DI] e4m3 ->
     [ROWS, BLOCK_N] fp32 = Σ_h w[t, h] · ReLU(q[t, h] · k[n])."""
     r = tl.arange(0, ROWS * HI_PAD)
@@ -43,11 +43,17 @@ def _weighted_relu_dot(q_ptr, w_ptr, k, first_row, T, stride_qt, stride_qh, stri
     q = tl.load(q_ptr + tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=ok[:, None], other=0.0)  # [ROWS·HI_PAD, DI] e4m3
     w = tl.load(w_ptr + tok.to(tl.int64) * stride_wt + head, mask=ok, other=0.0)  # [ROWS·HI_PAD]
+    if DOT_F32:  # exact caches (fp32 inputs, or bf16 under the interpreter, whose bf16 dot is wrong)
+        q = q.to(tl.float32)
+        k = k.to(tl.float32)
     # Keys in the MMA's M, rows·heads in its N (both operands K-major, as FP8 MMAs want them): on an
     # H200 this ran 1.7-2.6x faster than heads in M. The FP8 tensor cores accumulate with reduced
     # precision (as DeepGEMM's): ~4e-4 of a row's max logit at DI = 128. max_num_imprecise_acc=0
     # makes it exact to fp32 but made the kernel 2.5-3x slower; top-k selection does not need it.
-    dots = tl.dot(k, tl.trans(q))  # [BLOCK_N, ROWS·HI_PAD] fp32
+    if DOT_F32:
+        dots = tl.dot(k, tl.trans(q), input_precision="ieee")  # [BLOCK_N, ROWS·HI_PAD] fp32
+    else:
+        dots = tl.dot(k, tl.trans(q))
     x = tl.maximum(dots, 0.0) * w[None, :]
     return tl.trans(tl.sum(tl.reshape(x, (BLOCK_N, ROWS, HI_PAD)), axis=2))  # [ROWS, BLOCK_N]
 
@@ -57,7 +63,8 @@ def _indexer_logits_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, seq_ptr, klen_pt
                            T, max_keys, max_blocks,
                            stride_qt, stride_qh, stride_wt, stride_kb, stride_sb, stride_bt, stride_ot,
                            HI: tl.constexpr, DI: tl.constexpr, HI_PAD: tl.constexpr, PAGE: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr,
+                           DOT_F32: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     ids = tl.arange(0, BLOCK_M)
@@ -88,15 +95,18 @@ def _indexer_logits_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, seq_ptr, klen_pt
             phys = phys.to(tl.int64)
             off = n % PAGE
             k = tl.load(k_ptr + phys[:, None] * stride_kb + off[:, None] * DI + d[None, :],
-                        mask=key_ok[:, None], other=0.0)  # [BLOCK_N, DI] e4m3
-            k_scale = tl.load(ks_ptr + phys * stride_sb + (PAGE * DI // 4) + off, mask=key_ok, other=0.0)
+                        mask=key_ok[:, None], other=0.0)  # [BLOCK_N, DI] e4m3 (exact cache: float)
+            if FP8:
+                k_scale = tl.load(ks_ptr + phys * stride_sb + (PAGE * DI // 4) + off, mask=key_ok, other=0.0)
+            else:
+                k_scale = tl.full((BLOCK_N,), 1.0, tl.float32)
             if tl.sum(group.to(tl.int32)) == 1:
                 one = _weighted_relu_dot(q_ptr, w_ptr, k, pid_m * BLOCK_M + i, T, stride_qt, stride_qh,
-                                         stride_wt, HI, DI, HI_PAD, 1, BLOCK_N)  # [1, BLOCK_N]
+                                         stride_wt, HI, DI, HI_PAD, 1, BLOCK_N, DOT_F32)  # [1, BLOCK_N]
                 acc = tl.where(group[:, None], one * k_scale[None, :], acc)
             else:
                 many = _weighted_relu_dot(q_ptr, w_ptr, k, pid_m * BLOCK_M, T, stride_qt, stride_qh,
-                                          stride_wt, HI, DI, HI_PAD, BLOCK_M, BLOCK_N)  # [BLOCK_M, BLOCK_N]
+                                          stride_wt, HI, DI, HI_PAD, BLOCK_M, BLOCK_N, DOT_F32)  # [BLOCK_M, BLOCK_N]
                 acc = tl.where(group[:, None], many * k_scale[None, :], acc)
 
     acc = tl.where(n[None, :] < klen[:, None], acc, float("-inf"))
@@ -107,28 +117,34 @@ def _indexer_logits_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, seq_ptr, klen_pt
 def indexer_logits(q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor, block_table: torch.Tensor,
                    seq_idx: torch.Tensor, key_len: torch.Tensor, max_keys: int, *,
                    block_m: int | None = None, block_n: int = 128) -> torch.Tensor:
-    """Lightning-indexer logits over the paged indexer cache, FP8 inputs (twin: reference.indexer_logits).
+    """Lightning-indexer logits over the paged indexer cache (twin: reference.indexer_logits).
 
-    q: [T, HI, DI] e4m3 queries; w: [T, HI] fp32 head weights with q's per-(token, head) scales,
-    HI^-1/2 and DI^-1/2 folded in; index_cache: [num_blocks, 64 · (DI + 4)] uint8 paged indexer
-    cache (layout in megactx.kernels.reference); block_table: [B, max_blocks] int32 physical block
-    of each logical block of sequence b; seq_idx: [T] the sequence of each query row (rows of one
-    sequence need not be adjacent, but adjacent rows share key loads); key_len: [T] how many keys
-    (logical 0 .. key_len - 1) row t sees. Returns [T, max_keys] fp32:
+    q: [T, HI, DI] e4m3 queries over an FP8 cache ([num_blocks, 64 · (DI + 4)] uint8), or float
+    queries over an exact cache ([num_blocks, 64 · DI] of q's dtype; layouts in
+    megactx.kernels.reference); w: [T, HI] fp32 head weights with q's per-(token, head) scales
+    (FP8), HI^-1/2 and DI^-1/2 folded in; block_table: [B, max_blocks] int32 physical block of each
+    logical block of sequence b; seq_idx: [T] the sequence of each query row (rows of one sequence
+    need not be adjacent, but adjacent rows share key loads); key_len: [T] how many keys (logical
+    0 .. key_len - 1) row t sees. Returns [T, max_keys] fp32:
     Σ_h w[t, h] · ReLU(q[t, h] · k[s]) · k_scale[s] for s < key_len[t], -inf beyond.
 
     block_m: query rows a program (default: enough to stack 128 rows·heads into one dot);
     block_n: keys a program, a multiple of 64."""
     T, HI, DI = q.shape
-    if q.dtype != FP8:
-        raise ValueError(f"indexer queries must be float8_e4m3fn, got {q.dtype}")
+    fp8 = index_cache.dtype == torch.uint8
+    if fp8 and q.dtype != FP8:
+        raise ValueError(f"queries over an FP8 indexer cache must be float8_e4m3fn, got {q.dtype}")
+    if not fp8 and (q.dtype != index_cache.dtype or q.dtype not in (torch.float32, torch.bfloat16)):
+        raise ValueError(f"an exact indexer cache must be fp32 or bf16 and match the queries' dtype, got cache "
+                         f"{index_cache.dtype} and queries {q.dtype}")
     if DI < 16 or DI & (DI - 1):
         raise ValueError(f"the indexer kernel needs a power-of-two head dim >= 16, got {DI}")
     if tuple(w.shape) != (T, HI):
         raise ValueError(f"head weights have shape {tuple(w.shape)}; queries [{T}, {HI}, {DI}] need [{T}, {HI}]")
-    if index_cache.dtype != torch.uint8 or index_cache.dim() != 2 or index_cache.shape[1] != BLOCK_SIZE * (DI + 4):
-        raise ValueError(f"index_cache must be uint8 [num_blocks, {BLOCK_SIZE * (DI + 4)}] for DI = {DI}, "
-                         f"got {index_cache.dtype} {tuple(index_cache.shape)}")
+    row = BLOCK_SIZE * (DI + 4) if fp8 else BLOCK_SIZE * DI
+    if index_cache.dim() != 2 or index_cache.shape[1] != row:
+        raise ValueError(f"index_cache must be [num_blocks, {row}] for DI = {DI} ({'FP8' if fp8 else 'exact'} "
+                         f"layout), got {index_cache.dtype} {tuple(index_cache.shape)}")
     if block_n % BLOCK_SIZE or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power-of-two multiple of {BLOCK_SIZE}, got {block_n}")
     if not index_cache.is_contiguous():
@@ -144,10 +160,12 @@ def indexer_logits(q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor, 
         block_m = max(1, 128 // hi_pad)
     if block_m < 1 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two, got {block_m}")
-    # The same bytes seen two ways: e4m3 key rows, and the fp32 scales that start at byte 64 · DI of
-    # each block (4-byte aligned since the block size 64 · (DI + 4) is); .view checks the alignment.
-    keys = index_cache.view(FP8)
-    scales = index_cache.view(torch.float32)
+    if fp8:
+        # The same bytes seen two ways: e4m3 key rows, and the fp32 scales that start at byte 64 · DI
+        # of each block (4-byte aligned since the block size 64 · (DI + 4) is); .view checks it.
+        keys, scales = index_cache.view(FP8), index_cache.view(torch.float32)
+    else:
+        keys = scales = index_cache  # no scales
     q = q if q.stride(-1) == 1 else q.contiguous()
     w = w.float().contiguous()
     block_table = block_table.contiguous()
@@ -159,33 +177,18 @@ def indexer_logits(q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor, 
         T, max_keys, block_table.shape[1],
         q.stride(0), q.stride(1), w.stride(0), keys.stride(0), scales.stride(0), block_table.stride(0), out.stride(0),
         HI=HI, DI=DI, HI_PAD=hi_pad, PAGE=BLOCK_SIZE, BLOCK_M=block_m, BLOCK_N=block_n,
+        FP8=fp8, DOT_F32=not fp8 and (INTERPRET or q.dtype == torch.float32),
         num_warps=4,  # on an H200, 4 beat 8 at 128 x 128 tiles (GLM and DeepSeek geometry alike)
     )
     return out
 
 
 def indexer_topk_chunked(q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor, block_table: torch.Tensor,
-                         seq_idx: torch.Tensor, key_len: torch.Tensor, k: int, chunk_tokens: int) -> torch.Tensor:
-    """Top-k keys of each query row as physical slots, chunk_tokens rows at a time so the logits
-    buffer stays [chunk_tokens, max key_len of the chunk].
-
-    Arguments as in `indexer_logits`; k: keys kept per row. Returns slots [T, k] int32 (block_id · 64
-    + offset), -1 where the row has fewer than k visible keys. Order within a row is unspecified.
-    One host sync (the chunks' key counts); a fused streaming top-k kernel would avoid it."""
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
-    T = q.shape[0]
-    out = torch.full((T, k), -1, dtype=torch.int32, device=q.device)
-    if T == 0 or k == 0:
-        return out
-    starts = range(0, T, chunk_tokens)
-    chunk_keys = torch.stack([key_len[i : i + chunk_tokens].max() for i in starts]).clamp_min(0).tolist()
-    for i, max_keys in zip(starts, chunk_keys):
-        if max_keys == 0:
-            continue  # no row of the chunk sees a key
-        rows = slice(i, i + chunk_tokens)
-        logits = indexer_logits(q[rows], w[rows], index_cache, block_table, seq_idx[rows], key_len[rows], max_keys)
-        values, pos = logits.topk(min(k, max_keys), dim=-1)  # [chunk, ≤ k]
-        pos = pos.masked_fill(values == float("-inf"), -1)
-        out[rows, : pos.shape[1]] = logical_to_slots(block_table, seq_idx[rows], pos).int()
-    return out
+                         seq_idx: torch.Tensor, key_len: torch.Tensor, k: int, chunk_tokens: int,
+                         key_len_host: torch.Tensor | None = None) -> torch.Tensor:
+    """Top-k keys of each query row as physical slots [T, k] int32 (block_id · 64 + offset), -1 where
+    the row has fewer than k visible keys; chunk_tokens rows at a time so the logits buffer stays
+    [chunk_tokens, longest key range of the chunk]. Arguments as in `indexer_logits` and
+    `reference.chunked_topk` (the twin is `reference.indexer_topk_chunked`)."""
+    return chunked_topk(indexer_logits, topk_rows, q, w, index_cache, block_table, seq_idx, key_len, k,
+                        chunk_tokens, key_len_host)

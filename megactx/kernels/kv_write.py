@@ -51,6 +51,14 @@ def _to_bf16(x):
 
 
 @triton.jit
+def _to_cache(x, ptr):
+    """x -> the element type of an exact cache (bf16 rounded to nearest even, or fp32)."""
+    if ptr.dtype.element_ty == tl.bfloat16:
+        return _to_bf16(x)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _quantize_e4m3(x):
     """x: fp32 [G, D] groups (padding lanes 0) -> (e4m3 bytes [G, D] uint8, fp32 scales [G]),
     x ≈ e4m3 · scale with scale = amax / 448 as in the twin."""
@@ -73,7 +81,7 @@ def _write_kv_kernel(
     num_slots,                            # slots both caches hold
     R: tl.constexpr, DR: tl.constexpr, DI: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DI: tl.constexpr,
-    FP8: tl.constexpr, HAS_INDEX: tl.constexpr,
+    FP8: tl.constexpr, HAS_INDEX: tl.constexpr, INDEX_FP8: tl.constexpr,
     BLOCK: tl.constexpr, GROUP: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
@@ -104,18 +112,21 @@ def _write_kv_kernel(
         row = kv_ptr + slot * (R + DR)
         d = tl.arange(0, BLOCK_R)
         x = tl.load(c_ptr + tok * stride_cn + d * stride_cd, mask=d < R, other=0.0)
-        tl.store(row + d, _to_bf16(x), mask=d < R)
-        tl.store(row + R + d_pe, _to_bf16(pe), mask=d_pe < DR)
+        tl.store(row + d, _to_cache(x, kv_ptr), mask=d < R)
+        tl.store(row + R + d_pe, _to_cache(pe, kv_ptr), mask=d_pe < DR)
 
     # --- indexer cache: a block is 64 keys of DI e4m3 bytes, then their 64 fp32 scales
     if HAS_INDEX:
-        block_base = idx_ptr + (slot // BLOCK) * (BLOCK * (DI + 4))
-        offset = slot % BLOCK
         di = tl.arange(0, BLOCK_DI)[None, :]  # one group of DI: one scale per key
         k = tl.load(ik_ptr + tok * stride_in + di * stride_id, mask=di < DI, other=0.0).to(tl.float32)
-        values, scale = _quantize_e4m3(k)
-        tl.store(block_base + offset * DI + di, values, mask=di < DI)
-        tl.store((block_base + BLOCK * DI).to(tl.pointer_type(tl.float32)) + offset + tl.arange(0, 1), scale)
+        if INDEX_FP8:
+            block_base = idx_ptr + (slot // BLOCK) * (BLOCK * (DI + 4))
+            offset = slot % BLOCK
+            values, scale = _quantize_e4m3(k)
+            tl.store(block_base + offset * DI + di, values, mask=di < DI)
+            tl.store((block_base + BLOCK * DI).to(tl.pointer_type(tl.float32)) + offset + tl.arange(0, 1), scale)
+        else:  # exact keys: [num_blocks, 64 * DI] of the cache's float dtype, a key every DI values
+            tl.store(idx_ptr + slot * DI + di, _to_cache(k, idx_ptr), mask=di < DI)
 
 
 # ------------------------------------------------------------------------------ wrapper
@@ -127,18 +138,21 @@ def _check_2d(name: str, t: torch.Tensor, n: int) -> None:
 
 
 def write_kv(c: torch.Tensor, k_pe: torch.Tensor, slots: torch.Tensor, kv_cache: torch.Tensor,
-             index_k: torch.Tensor | None = None, index_cache: torch.Tensor | None = None) -> None:
+             index_k: torch.Tensor | None = None, index_cache: torch.Tensor | None = None, *,
+             check_slots: bool = False) -> None:
     """Store new tokens into the paged caches, in place (the twin: `reference.write_kv`).
 
     c: [N, r] latent, k_pe: [N, dr] roped key (fp32/bf16/fp16, any strides: slices of one
     projection output are fine); slots: [N] int32/int64, block * 64 + offset, -1 = skip the token;
-    kv_cache: bf16 [num_blocks, 64, r + dr], or uint8 [num_blocks, 64, r + 4 r/128 + 2 dr] = FP8
-    (e4m3 latent, an fp32 scale per 128 values, bf16 rope); index_k: [N, DI] with index_cache:
-    uint8 [num_blocks, 64 * (DI + 4)] (full layers only). Two tokens given the same slot leave one
-    of them, unspecified which.
+    kv_cache: bf16 (or fp32, exact) [num_blocks, 64, r + dr], or uint8 [num_blocks, 64,
+    r + 4 r/128 + 2 dr] = FP8 (e4m3 latent, an fp32 scale per 128 values, bf16 rope); index_k:
+    [N, DI] with index_cache: uint8 [num_blocks, 64 * (DI + 4)] (FP8) or bf16/fp32
+    [num_blocks, 64 * DI] (exact) — full layers only. Two tokens given the same slot leave one of
+    them, unspecified which.
 
-    Checking the slots' range reads them back on the host (one sync); under CUDA-graph capture the
-    check is skipped and the kernel drops out-of-range slots instead of writing them."""
+    The kernel never writes outside the caches: it skips slots out of range as it skips -1.
+    check_slots=True refuses them with a ValueError instead, at the cost of reading the slots back
+    on the host (one sync; not under CUDA-graph capture) — for debugging, not for the hot path."""
     if slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slots must be a 1-D int32/int64 tensor, got {slots.dtype} of shape {tuple(slots.shape)}")
     N = slots.shape[0]
@@ -151,10 +165,10 @@ def write_kv(c: torch.Tensor, k_pe: torch.Tensor, slots: torch.Tensor, kv_cache:
         if dr % 2:
             raise ValueError(f"the FP8 MLA cache needs an even rope dim (keeps its fp32 scales aligned), got {dr}")
         row = mla_fp8_bytes(r, dr)  # also refuses r not divisible by 128
-    elif kv_cache.dtype == torch.bfloat16:
+    elif kv_cache.dtype in (torch.bfloat16, torch.float32):
         row = r + dr
     else:
-        raise ValueError(f"kv_cache must be bfloat16 or uint8 (FP8 layout), got {kv_cache.dtype}")
+        raise ValueError(f"kv_cache must be bfloat16, float32 (exact) or uint8 (FP8 layout), got {kv_cache.dtype}")
     if kv_cache.dim() != 3 or tuple(kv_cache.shape[1:]) != (BLOCK_SIZE, row):
         raise ValueError(f"kv_cache must be [num_blocks, {BLOCK_SIZE}, {row}] for r = {r}, dr = {dr} "
                          f"({'FP8' if fp8 else 'bf16'} layout), got shape {tuple(kv_cache.shape)}")
@@ -166,9 +180,11 @@ def write_kv(c: torch.Tensor, k_pe: torch.Tensor, slots: torch.Tensor, kv_cache:
     if index_k is not None:
         _check_2d("index_k", index_k, N)
         DI = index_k.shape[1]
-        if index_cache.dtype != torch.uint8 or index_cache.dim() != 2 \
-                or index_cache.shape[1] != BLOCK_SIZE * (DI + 4):
-            raise ValueError(f"index_cache must be uint8 [num_blocks, {BLOCK_SIZE * (DI + 4)}] for DI = {DI}, "
+        index_row = BLOCK_SIZE * (DI + 4) if index_cache.dtype == torch.uint8 else BLOCK_SIZE * DI
+        if index_cache.dtype not in (torch.uint8, torch.bfloat16, torch.float32) or index_cache.dim() != 2 \
+                or index_cache.shape[1] != index_row:
+            raise ValueError(f"index_cache must be uint8 [num_blocks, {BLOCK_SIZE * (DI + 4)}] (FP8) or bf16/fp32 "
+                             f"[num_blocks, {BLOCK_SIZE * DI}] (exact) for DI = {DI}, "
                              f"got {index_cache.dtype} of shape {tuple(index_cache.shape)}")
         num_slots = min(num_slots, index_cache.shape[0] * BLOCK_SIZE)
 
@@ -184,7 +200,7 @@ def write_kv(c: torch.Tensor, k_pe: torch.Tensor, slots: torch.Tensor, kv_cache:
         raise ValueError(f"all tensors must be on one device, got {sorted({str(t.device) for t in tensors})}")
     if N == 0:
         return
-    if not (slots.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if check_slots and not (slots.is_cuda and torch.cuda.is_current_stream_capturing()):
         lo, hi = torch.stack(torch.aminmax(slots)).tolist()  # the one host sync
         if lo < -1 or hi >= num_slots:
             raise ValueError(f"slots must be -1 or in [0, {num_slots}) (the caches' blocks × {BLOCK_SIZE}), "
@@ -199,5 +215,6 @@ def write_kv(c: torch.Tensor, k_pe: torch.Tensor, slots: torch.Tensor, kv_cache:
         R=r, DR=dr, DI=max(DI, 1),
         BLOCK_R=triton.next_power_of_2(r), BLOCK_DR=triton.next_power_of_2(dr),
         BLOCK_DI=triton.next_power_of_2(max(DI, 1)),
-        FP8=fp8, HAS_INDEX=index_k is not None, BLOCK=BLOCK_SIZE, GROUP=SCALE_GROUP,
+        FP8=fp8, HAS_INDEX=index_k is not None,
+        INDEX_FP8=index_cache is not None and index_cache.dtype == torch.uint8, BLOCK=BLOCK_SIZE, GROUP=SCALE_GROUP,
     )

@@ -10,9 +10,12 @@ block_id * 64 + offset; slot -1 means "no token"):
 - MLA cache, FP8: `kv_cache [num_blocks, 64, r + 4 r/128 + 2 dr]` uint8 (656 B a token for GLM):
   r e4m3 latent values, then r/128 fp32 scales (one per 128 values, latent ≈ e4m3 · scale), then
   dr bf16 rope values (rope keys are kept exact: they carry position).
+- MLA cache, exact: the bf16 layout with fp32 (or any float) elements — for checking a model against
+  its reference at full precision.
 - Indexer cache (full layers only): `index_cache [num_blocks, 64 * (DI + 4)]` uint8: the block's
   64 keys as DI e4m3 values each, then their 64 fp32 scales (132 B a token for DI = 128; splitting
-  values from scales keeps every key row 16-byte aligned).
+  values from scales keeps every key row 16-byte aligned). Exact variant: `[num_blocks, 64 * DI]`
+  of a float dtype, the keys as they are, no scales (queries then come unquantized too).
 """
 
 from __future__ import annotations
@@ -33,15 +36,26 @@ def mla_fp8_bytes(kv_lora_rank: int, rope_dim: int) -> int:
 
 
 def alloc_kv_cache(num_blocks: int, kv_lora_rank: int, rope_dim: int, fp8: bool,
-                   device: str | torch.device = "cpu") -> torch.Tensor:
+                   device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """An MLA cache: the FP8 layout when fp8, else [num_blocks, 64, r + dr] of dtype (bf16, or fp32 exact)."""
     if fp8:
         return torch.zeros(num_blocks, BLOCK_SIZE, mla_fp8_bytes(kv_lora_rank, rope_dim), dtype=torch.uint8,
                            device=device)
-    return torch.zeros(num_blocks, BLOCK_SIZE, kv_lora_rank + rope_dim, dtype=torch.bfloat16, device=device)
+    return torch.zeros(num_blocks, BLOCK_SIZE, kv_lora_rank + rope_dim, dtype=dtype, device=device)
 
 
-def alloc_index_cache(num_blocks: int, index_dim: int, device: str | torch.device = "cpu") -> torch.Tensor:
-    return torch.zeros(num_blocks, BLOCK_SIZE * (index_dim + 4), dtype=torch.uint8, device=device)
+def alloc_index_cache(num_blocks: int, index_dim: int, device: str | torch.device = "cpu",
+                      dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """An indexer cache: uint8 = the FP8 layout (132 B a token for DI = 128), a float dtype = exact keys."""
+    if dtype == torch.uint8:
+        return torch.zeros(num_blocks, BLOCK_SIZE * (index_dim + 4), dtype=torch.uint8, device=device)
+    return torch.zeros(num_blocks, BLOCK_SIZE * index_dim, dtype=dtype, device=device)
+
+
+def index_cache_dim(index_cache: torch.Tensor) -> int:
+    """DI of an indexer cache of either layout."""
+    per_token = index_cache.shape[1] // BLOCK_SIZE
+    return per_token - 4 if index_cache.dtype == torch.uint8 else per_token
 
 
 # ------------------------------------------------------------------------------ KV write
@@ -65,6 +79,9 @@ def write_kv(c: torch.Tensor, k_pe: torch.Tensor, slots: torch.Tensor, kv_cache:
     if index_k is not None:
         index_k = index_k[keep]
         DI = index_k.shape[-1]
+        if index_cache.dtype != torch.uint8:  # exact keys
+            index_cache.view(-1, BLOCK_SIZE, DI)[block, offset] = index_k.to(index_cache.dtype)
+            return
         values, scales = quantize_rows(index_k)  # one scale per key
         cols = offset[:, None] * DI + torch.arange(DI, device=slots.device)
         index_cache[block[:, None], cols] = values.view(torch.uint8)
@@ -88,9 +105,13 @@ def read_kv(kv_cache: torch.Tensor, slots: torch.Tensor, kv_lora_rank: int) -> t
 
 
 def read_index_k(index_cache: torch.Tensor, slots: torch.Tensor, index_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """slots: [...] int (>= 0) -> (e4m3 values as fp32 [..., DI], fp32 scales [...])."""
+    """slots: [...] int (>= 0) -> (e4m3 values as fp32 [..., DI], fp32 scales [...]); from an exact
+    cache, the keys as fp32 and scales of 1."""
     s = slots.long()
     block, offset = s // BLOCK_SIZE, s % BLOCK_SIZE
+    if index_cache.dtype != torch.uint8:
+        values = index_cache.view(-1, BLOCK_SIZE, index_dim)[block, offset].float()
+        return values, torch.ones(values.shape[:-1], device=values.device)
     cols = offset[..., None] * index_dim + torch.arange(index_dim, device=s.device)
     values = index_cache[block[..., None], cols].view(FP8).float()
     scale_cols = BLOCK_SIZE * index_dim + offset[..., None] * 4 + torch.arange(4, device=s.device)
@@ -120,10 +141,11 @@ def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor
 # ------------------------------------------------------------------------------ indexer logits
 def indexer_logits(q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor, block_table: torch.Tensor,
                    seq_idx: torch.Tensor, key_len: torch.Tensor, max_keys: int) -> torch.Tensor:
-    """Lightning-indexer logits over the paged indexer cache, FP8 inputs.
+    """Lightning-indexer logits over the paged indexer cache.
 
-    q: [T, HI, DI] e4m3 queries; w: [T, HI] fp32 head weights with q's per-(token, head) scales,
-    HI^-1/2 and DI^-1/2 folded in; index_cache: paged indexer cache (layout above); block_table:
+    q: [T, HI, DI] e4m3 queries with an FP8 cache, float queries with an exact one; w: [T, HI] fp32
+    head weights with q's per-(token, head) scales (FP8), HI^-1/2 and DI^-1/2 folded in;
+    index_cache: paged indexer cache (layout above); block_table:
     [B, max_blocks] int32 physical block of each logical block of sequence b; seq_idx: [T] the
     sequence of each query; key_len: [T] how many keys (logical 0..key_len-1) query t may see
     (causal end; prefill and decode alike). Returns [T, max_keys] fp32:
@@ -148,10 +170,50 @@ def logical_to_slots(block_table: torch.Tensor, seq_idx: torch.Tensor, positions
     return slots.masked_fill(positions < 0, -1)
 
 
-def indexer_topk(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """logits: [T, L] fp32 (-inf = not visible) -> logical key positions [T, k] int32, -1 where the
-    row has fewer than k visible keys. Order within a row is unspecified."""
+def topk_rows(logits: torch.Tensor, k: int, key_len: torch.Tensor | None = None) -> torch.Tensor:
+    """logits: [T, L] fp32 (-inf = not a candidate); key_len: [T] or None, only the first key_len[t]
+    entries of row t are candidates -> logical key positions [T, k] int32, -1 where the row has
+    fewer than k candidates. Order within a row is unspecified."""
+    if key_len is not None:
+        cols = torch.arange(logits.shape[-1], device=logits.device)
+        logits = logits.masked_fill(cols >= key_len[:, None], float("-inf"))
     if k > logits.shape[-1]:
         logits = torch.nn.functional.pad(logits, (0, k - logits.shape[-1]), value=float("-inf"))
     values, idx = logits.topk(k, dim=-1)
     return idx.masked_fill(values == float("-inf"), -1).int()
+
+
+def chunked_topk(logits_fn, topk_fn, q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor,
+                 block_table: torch.Tensor, seq_idx: torch.Tensor, key_len: torch.Tensor, k: int, chunk_tokens: int,
+                 key_len_host: torch.Tensor | None = None) -> torch.Tensor:
+    """The indexer's top-k as physical slots, chunk_tokens query rows at a time, so the logits
+    buffer stays [chunk_tokens, longest key range of the chunk] — the loop shared by the twin and
+    the Triton path, which pass their own `logits_fn` (indexer_logits) and `topk_fn` (topk_rows).
+
+    Arguments as in `indexer_logits`; k: keys kept per row; key_len_host: key_len on the CPU (the
+    engine has it), else it is read back from the device (one sync). Returns slots [T, k] int32,
+    -1 where the row has fewer than k visible keys."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    T = q.shape[0]
+    out = torch.full((T, k), -1, dtype=torch.int32, device=q.device)
+    if T == 0 or k == 0:
+        return out
+    host = (key_len if key_len_host is None else key_len_host).cpu()
+    for i in range(0, T, chunk_tokens):
+        rows = slice(i, i + chunk_tokens)
+        max_keys = int(host[rows].max())
+        if max_keys <= 0:
+            continue  # no row of the chunk sees a key
+        logits = logits_fn(q[rows], w[rows], index_cache, block_table, seq_idx[rows], key_len[rows], max_keys)
+        pos = topk_fn(logits, min(k, max_keys), key_len[rows])  # [chunk, <= k] logical, -1 = none
+        out[rows, : pos.shape[1]] = logical_to_slots(block_table, seq_idx[rows], pos).int()
+    return out
+
+
+def indexer_topk_chunked(q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor, block_table: torch.Tensor,
+                         seq_idx: torch.Tensor, key_len: torch.Tensor, k: int, chunk_tokens: int,
+                         key_len_host: torch.Tensor | None = None) -> torch.Tensor:
+    """Top-k keys of each query row as physical slots [T, k] int32 (-1 = none); see `chunked_topk`."""
+    return chunked_topk(indexer_logits, topk_rows, q, w, index_cache, block_table, seq_idx, key_len, k,
+                        chunk_tokens, key_len_host)

@@ -24,6 +24,7 @@ from torch import nn
 
 from megactx.config import ModelConfig
 from megactx.model.layers import RMSNorm, apply_rope
+from megactx.model.paged import PagedLayerCache
 from megactx.model.quant import hadamard, quantize_rows
 
 
@@ -90,6 +91,10 @@ class Indexer(nn.Module):
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)  # kept in fp32
 
+    def rotation(self, device: torch.device) -> torch.Tensor:
+        """[DI, DI] fp32 Hadamard rotation applied to q and k before FP8 quantization."""
+        return hadamard(self.head_dim, device=device)
+
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # The first rope_dim dims are rotated (the MLA query puts rope last; the indexer first).
         rot, rest = x.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
@@ -114,7 +119,7 @@ class Indexer(nn.Module):
         one fp32 scale per (token, head) / per key, the scales folded into w and out of the ReLU
         (valid since scales are positive)."""
         if fp8:
-            rot = hadamard(self.head_dim, device=q.device)
+            rot = self.rotation(q.device)
             q8, q_scale = quantize_rows(q.float() @ rot)  # [B, S, HI, DI], [B, S, HI]
             k8, k_scale = quantize_rows(k.float() @ rot)  # [B, T, DI], [B, T]
             logits = F.relu(torch.matmul(q8.float(), k8.float().transpose(-1, -2).unsqueeze(1)))
@@ -201,7 +206,11 @@ class MLA(nn.Module):
         on full layers, given -> reused instead of running the indexer). cache: keys before x
         (positions 0..T0-1); x's own keys are appended when write_kv, else x only reads the cache
         (KVShare draft steps). Returns (out [B, S, D], topk [B, S, K'] used).
+
+        With a `PagedLayerCache` the same layer runs over paged caches instead (see `forward_paged`).
         """
+        if isinstance(cache, PagedLayerCache):
+            return self.forward_paged(x, cos, sin, topk, cache, write_kv)
         q_resid, q_nope, q_pe = self.project_q(x, cos, sin)
         if cache is None or write_kv:
             c, k_pe = self.project_kv(x, cos, sin)
@@ -227,3 +236,45 @@ class MLA(nn.Module):
         allowed = allowed & topk_mask(topk, num_keys)
         out = self.attend(q_nope, q_pe, c, k_pe, allowed)
         return self.o_proj(out), topk
+
+    def forward_paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, topk: torch.Tensor | None,
+                      cache: PagedLayerCache, write_kv: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """The paged form: x [1, T, D] is the batch's T tokens flattened (cos/sin [1, T, dr/2] at
+        their positions); cache.batch says where each token sits. Writes the tokens' KV (and
+        indexer keys on full layers) unless write_kv is False, selects top-k physical slots with
+        the indexer unless `topk` [T, K] is given (shared layers, KVShare steps), and attends in the
+        absorbed form through cache.ops. Returns (out [1, T, D], topk slots [T, K] int32, -1 = none)."""
+        batch, ops = cache.batch, cache.ops
+        q_resid, q_nope, q_pe = self.project_q(x, cos, sin)  # [1, T, q_lora], [1, T, H, dn], [1, T, H, dr]
+        fp8_index = cache.index is not None and cache.index.dtype == torch.uint8
+        if write_kv:
+            c, k_pe = self.project_kv(x, cos, sin)  # [1, T, r], [1, T, dr]
+            index_k = None
+            if self.indexer is not None and cache.index is not None:
+                index_k = self.indexer.keys(x, cos, sin)[0]  # [T, DI]
+                if fp8_index:  # rotated before quantization, as in Indexer.scores(fp8=True)
+                    index_k = index_k.float() @ self.indexer.rotation(x.device)
+            ops.write_kv(c[0], k_pe[0], batch.slots, cache.kv, index_k, cache.index)
+
+        if topk is None:
+            if self.indexer is None or cache.index is None:
+                raise ValueError("a shared-indexer layer needs the top-k of its full layer")
+            q_idx, w = self.indexer.queries(x, q_resid, cos, sin)  # [1, T, HI, DI], [1, T, HI] fp32
+            q_idx, w = q_idx[0], w[0] * self.indexer.head_dim**-0.5
+            if fp8_index:
+                q_idx, q_scale = quantize_rows(q_idx.float() @ self.indexer.rotation(x.device))  # e4m3, [T, HI]
+                w = w * q_scale  # scales are positive: they move out of the ReLU into the head weights
+            else:
+                q_idx = q_idx.to(cache.index.dtype)
+            topk = ops.indexer_topk(q_idx, w, cache.index, batch.block_table, batch.seq_idx, batch.key_len,
+                                    self.indexer.topk, batch.indexer_chunk(), batch.key_len_host)
+
+        # absorbed MLA: MQA over the latent; the kernel reads the cache in its own layout
+        w_uk, w_uv = self.wkv_b()
+        q_lat = torch.einsum("shd,hdr->shr", q_nope[0], w_uk)  # [T, H, r]
+        q = torch.cat([q_lat, q_pe[0]], dim=-1)  # [T, H, r + dr]
+        if q.dtype not in (torch.float32, torch.bfloat16):
+            q = q.to(torch.bfloat16)
+        out, _ = ops.sparse_mla(q, cache.kv, topk, self.softmax_scale, self.r)  # [T, H, r]
+        out = torch.einsum("shr,hvr->shv", out.to(x.dtype), w_uv)  # [T, H, dv]
+        return self.o_proj(out.reshape(1, out.shape[0], -1)), topk

@@ -3,6 +3,7 @@ format of published FP8 checkpoints (`weight` e4m3 + `weight_scale_inv` fp32 per
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -18,8 +19,9 @@ def quantize_rows(x: torch.Tensor, eps: float = 1e-12) -> tuple[torch.Tensor, to
     return x8, scale
 
 
+@functools.lru_cache(maxsize=16)
 def hadamard(n: int, device=None) -> torch.Tensor:
-    """Orthonormal Sylvester-Hadamard matrix [n, n]; n a power of two.
+    """Orthonormal Sylvester-Hadamard matrix [n, n] fp32; n a power of two. Cached: do not modify it.
 
     Rotating q and k by it leaves their dot products unchanged but spreads outlier channels over
     all dims, so per-row FP8 scales lose less (DeepSeek-V3.2's indexer does the same)."""

@@ -1,6 +1,8 @@
 """The GLM-5.x / DeepSeek-V3.2 causal LM in plain PyTorch: the reference forward.
 
-`Transformer(cfg)(input_ids)` -> logits [B, S, vocab], no cache. Parameter names follow the
+`Transformer(cfg)(input_ids)` -> logits [B, S, vocab], no cache. With `set_backend("triton")`
+(what `load_model(..., backend="triton")` does) the same call runs the model over paged caches
+through the Triton kernels instead (see model/paged.py); "torch" is the reference. Parameter names follow the
 Hugging Face checkpoints (`model.layers.{i}...`, `lm_head.weight`), except that routed experts are
 stacked (see moe.Experts) and the MTP layers live in `mtp.{j}` (checkpoint layer
 `num_hidden_layers + j`); weights.py maps between the two.
@@ -16,6 +18,15 @@ from megactx.model.attention import LayerCache
 from megactx.model.decoder import DecoderLayer
 from megactx.model.layers import RMSNorm, Rotary
 from megactx.model.mtp import MTPLayer
+from megactx.model.paged import (
+    BLOCK_SIZE,
+    KernelOps,
+    PagedBatch,
+    PagedLayerCache,
+    alloc_caches,
+    kernel_ops,
+    resolve_cache_dtype,
+)
 
 
 class Backbone(nn.Module):
@@ -39,6 +50,8 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.mtp = nn.ModuleList(MTPLayer(cfg, cfg.num_hidden_layers + j) for j in range(cfg.num_nextn_predict_layers))
         self.rotary = Rotary(cfg)
+        self.backend = "torch"  # what forward() runs: the reference, or the paged Triton path
+        self.kv_cache_dtype = self.index_cache_dtype = "auto"  # caches of the paged forward
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -50,6 +63,15 @@ class Transformer(nn.Module):
                 attn.absorbed = absorbed
             if indexer_fp8 is not None:
                 attn.indexer_fp8 = indexer_fp8
+
+    def set_backend(self, backend: str, kv_cache_dtype: str = "auto", index_cache_dtype: str = "auto") -> None:
+        """backend "torch": forward() is the dense reference; "triton": forward() runs the paged path
+        through the Triton kernels, with caches of the given dtypes ("auto" = the model's dtype,
+        exact; "bf16", "fp32", "fp8")."""
+        kernel_ops(backend)  # refuses unknown names
+        for name in (kv_cache_dtype, index_cache_dtype):
+            resolve_cache_dtype(name, torch.float32)  # refuses unknown names
+        self.backend, self.kv_cache_dtype, self.index_cache_dtype = backend, kv_cache_dtype, index_cache_dtype
 
     def attention_modules(self):
         return [layer.self_attn for layer in [*self.model.layers, *self.mtp]]
@@ -74,8 +96,12 @@ class Transformer(nn.Module):
         """input_ids: [B, S] -> final-normed hidden states [B, S, D].
 
         positions: [B or 1, S] (default 0..S-1). caches: one LayerCache per layer to extend
-        (tokens before input_ids), or None for a cache-free forward."""
+        (tokens before input_ids), or None for a cache-free forward; or one PagedLayerCache per
+        layer for a paged forward, where input_ids [1, T] are the batch's tokens flattened and
+        positions [1, T] must be given."""
         B, S = input_ids.shape
+        if caches is not None and isinstance(caches[0], PagedLayerCache) and positions is None:
+            raise ValueError("a paged forward needs the tokens' positions")
         if positions is None:
             start = caches[0].length if caches else 0
             positions = torch.arange(start, start + S, device=input_ids.device)[None]
@@ -92,8 +118,25 @@ class Transformer(nn.Module):
         return self.lm_head(hidden).float()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids: [B, S] int -> logits [B, S, vocab] fp32. The reference forward, no cache."""
-        return self.compute_logits(self.hidden_states(input_ids))
+        """input_ids: [B, S] int -> logits [B, S, vocab] fp32: the reference forward, no cache, or
+        (backend "triton") a one-shot paged forward of the B prompts."""
+        if self.backend == "torch":
+            return self.compute_logits(self.hidden_states(input_ids))
+        return self.forward_paged_prompts(input_ids, kernel_ops(self.backend))
+
+    def forward_paged_prompts(self, input_ids: torch.Tensor, ops: KernelOps) -> torch.Tensor:
+        """input_ids: [B, S] -> logits [B, S, vocab] fp32, by prefilling the B prompts into fresh
+        paged caches (kv_cache_dtype / index_cache_dtype) through `ops`: the paged path end to end."""
+        B, S = input_ids.shape
+        blocks = -(-S // BLOCK_SIZE)
+        kv_dtype = resolve_cache_dtype(self.kv_cache_dtype, self.dtype)
+        index_dtype = resolve_cache_dtype(self.index_cache_dtype, self.dtype)
+        caches = alloc_caches(self.cfg, B * blocks, kv_dtype, index_dtype, input_ids.device)
+        tables = [list(range(b * blocks, (b + 1) * blocks)) for b in range(B)]
+        batch = PagedBatch.build(tables, [0] * B, [S] * B, input_ids.device)
+        layers = [PagedLayerCache(kv, index, batch, ops) for kv, index in caches[: self.cfg.num_hidden_layers]]
+        hidden = self.hidden_states(input_ids.reshape(1, B * S), batch.positions[None], layers)
+        return self.compute_logits(hidden).view(B, S, -1)
 
 
 @torch.no_grad()

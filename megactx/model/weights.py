@@ -122,12 +122,12 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
                backend: str = "torch", strict: bool = True) -> Transformer:
     """Load a `glm_moe_dsa` / `deepseek_v32` checkpoint directory into a `Transformer`.
 
-    backend: "torch" (the pure-PyTorch reference). strict: refuse missing or unexpected tensors
-    (else they are reported on stderr and missing ones keep uninitialised values).
+    backend: "torch" (the pure-PyTorch reference) or "triton" (calling the model runs the paged
+    path through the Triton kernels; see `Transformer.set_backend` for its cache dtypes). strict:
+    refuse missing or unexpected tensors (else they are reported on stderr and missing ones keep
+    uninitialised values).
     """
-    if backend != "torch":
-        if backend == "triton":
-            raise NotImplementedError("backend='triton' arrives with the Triton kernels; use backend='torch'")
+    if backend not in ("torch", "triton"):
         raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
     directory = Path(path)
     if not directory.is_dir():
@@ -190,6 +190,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
         import sys
 
         print(f"warning: {message}", file=sys.stderr)
+    model.set_backend(backend)
     return model.eval()
 
 

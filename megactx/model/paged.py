@@ -1,0 +1,148 @@
+"""The model over a paged KV cache: batch metadata, per-layer caches, and the kernels a forward calls.
+
+A paged forward runs the tokens of several sequences flattened into one row, `input_ids [1, T]`,
+through the same `Transformer.hidden_states` as the reference; what changes is the cache each
+layer gets: a `PagedLayerCache` instead of a `LayerCache`. Its MLA then writes the new tokens' KV
+into paged blocks, runs the indexer over the paged indexer cache (full layers), and attends with
+sparse MLA to the selected slots — through `KernelOps`, the pure-torch twins (`backend="torch"`,
+any device) or the Triton kernels (`backend="triton"`, CUDA or the interpreter).
+
+Everything a kernel needs about the batch travels in `PagedBatch`, built on the host by the
+caller (the engine's model runner, or `Transformer.forward` for a one-shot paged forward).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megactx.config import ModelConfig
+from megactx.kernels import reference as ref
+
+BLOCK_SIZE = ref.BLOCK_SIZE
+# The indexer computes logits for this many bytes of [query rows × keys] at a time (fp32), then
+# keeps each row's top-k: a 1M-token prefill never materialises its [1M × 1M] logits.
+LOGITS_BUDGET_BYTES = 256 << 20
+
+CACHE_DTYPES = {"fp8": torch.uint8, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class KernelOps:
+    """The three kernels of a paged attention layer; both backends share these signatures."""
+
+    write_kv: Callable  # (c, k_pe, slots, kv_cache, index_k, index_cache) -> None
+    indexer_topk: Callable  # (q, w, index_cache, block_table, seq_idx, key_len, k, chunk_tokens, key_len_host)
+    sparse_mla: Callable  # (q, kv_cache, topk_slots, softmax_scale, kv_lora_rank) -> (out, lse)
+
+
+def kernel_ops(backend: str) -> KernelOps:
+    """"torch": the pure-PyTorch twins (megactx.kernels.reference); "triton": the Triton kernels."""
+    if backend == "torch":
+        return KernelOps(ref.write_kv, ref.indexer_topk_chunked, ref.sparse_mla)
+    if backend == "triton":
+        from megactx.kernels.indexer import indexer_topk_chunked
+        from megactx.kernels.kv_write import write_kv
+        from megactx.kernels.sparse_mla import sparse_mla
+
+        return KernelOps(write_kv, indexer_topk_chunked, sparse_mla)
+    raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
+
+
+@dataclass
+class PagedBatch:
+    """Metadata of one forward over paged caches: T tokens of B sequences, flattened in one row.
+
+    Token t of sequence seq_idx[t] sits at `positions[t]`, writes its KV to `slots[t]` (-1 = write
+    nothing) and sees keys 0 .. key_len[t] - 1 of its sequence (causal: position + 1), whose
+    physical blocks are `block_table[seq_idx[t]]`."""
+
+    positions: torch.Tensor  # [T] int64
+    slots: torch.Tensor  # [T] int64, block * 64 + offset
+    seq_idx: torch.Tensor  # [T] int32
+    key_len: torch.Tensor  # [T] int32
+    block_table: torch.Tensor  # [B, max_blocks] int32, 0 past a sequence's blocks
+    key_len_host: torch.Tensor  # [T] int32 on the CPU: bounds the indexer's logits without a sync
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+    @classmethod
+    def build(cls, block_tables: Sequence[Sequence[int]], starts: Sequence[int], num_tokens: Sequence[int],
+              device: str | torch.device = "cpu") -> PagedBatch:
+        """Sequence b computes positions starts[b] .. starts[b] + num_tokens[b] - 1 over its physical
+        blocks block_tables[b] (which must cover them)."""
+        if not len(block_tables) == len(starts) == len(num_tokens):
+            raise ValueError("block_tables, starts and num_tokens need one entry per sequence")
+        positions, seq_idx = [], []
+        for b, (table, start, n) in enumerate(zip(block_tables, starts, num_tokens)):
+            if start < 0 or n < 0:
+                raise ValueError(f"sequence {b}: start {start} and num_tokens {n} must be >= 0")
+            if start + n > len(table) * BLOCK_SIZE:
+                raise ValueError(f"sequence {b}: positions up to {start + n - 1} need "
+                                 f"{-(-(start + n) // BLOCK_SIZE)} blocks, its block table has {len(table)}")
+            positions.append(torch.arange(start, start + n))
+            seq_idx.append(torch.full((n,), b, dtype=torch.int32))
+        pos = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.int64)
+        seq = torch.cat(seq_idx) if seq_idx else torch.zeros(0, dtype=torch.int32)
+        width = max((len(t) for t in block_tables), default=0)
+        table = torch.zeros(len(block_tables), max(width, 1), dtype=torch.int32)
+        for b, t in enumerate(block_tables):
+            table[b, : len(t)] = torch.as_tensor(t, dtype=torch.int32)
+        slots = table[seq.long(), pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE
+        key_len = (pos + 1).int()
+        return cls(pos.to(device), slots.to(device), seq.to(device), key_len.to(device), table.to(device), key_len)
+
+    def indexer_chunk(self) -> int:
+        """Query rows per indexer logits chunk under LOGITS_BUDGET_BYTES."""
+        max_keys = int(self.key_len_host.max()) if self.num_tokens else 1
+        return max(1, LOGITS_BUDGET_BYTES // (4 * max(max_keys, 1)))
+
+
+@dataclass
+class PagedLayerCache:
+    """What one layer's attention needs for a paged forward: its caches, the batch, the kernels.
+
+    kv: MLA cache (layouts in megactx.kernels.reference: uint8 = FP8, else exact bf16/fp32);
+    index: the indexer cache on full layers (uint8 = FP8, else exact), None on shared layers."""
+
+    kv: torch.Tensor
+    index: torch.Tensor | None
+    batch: PagedBatch
+    ops: KernelOps
+
+
+def alloc_caches(cfg: ModelConfig, num_blocks: int, kv_dtype: torch.dtype, index_dtype: torch.dtype,
+                 device: str | torch.device = "cpu") -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """(kv, index) caches of every layer, then of every MTP layer; index only where the layer
+    has an indexer (full layers and MTP layers). dtypes: torch.uint8 = FP8 layout."""
+    has_indexer = [t == "full" for t in cfg.indexer_types] + [True] * cfg.num_nextn_predict_layers
+    caches = []
+    for full in has_indexer:
+        kv = ref.alloc_kv_cache(num_blocks, cfg.kv_lora_rank, cfg.qk_rope_head_dim, kv_dtype == torch.uint8,
+                                device, kv_dtype if kv_dtype != torch.uint8 else torch.bfloat16)
+        index = ref.alloc_index_cache(num_blocks, cfg.index_head_dim, device, index_dtype) if full else None
+        caches.append((kv, index))
+    return caches
+
+
+def cache_bytes_per_token(cfg: ModelConfig, kv_dtype: torch.dtype, index_dtype: torch.dtype) -> int:
+    """Bytes a token occupies across all layers' caches (MTP layers included)."""
+    r, dr, DI = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim
+    kv = ref.mla_fp8_bytes(r, dr) if kv_dtype == torch.uint8 else (r + dr) * kv_dtype.itemsize
+    index = DI + 4 if index_dtype == torch.uint8 else DI * index_dtype.itemsize
+    num_layers = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
+    num_indexers = len(cfg.full_layers) + cfg.num_nextn_predict_layers
+    return num_layers * kv + num_indexers * index
+
+
+def resolve_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """"auto" (the model's dtype: exact), "bf16", "fp32" or "fp8" -> the cache tensor dtype."""
+    if name == "auto":
+        return model_dtype if model_dtype in (torch.float32, torch.bfloat16) else torch.bfloat16
+    if name not in CACHE_DTYPES:
+        raise ValueError(f"cache dtype must be one of auto, {', '.join(CACHE_DTYPES)}; got {name!r}")
+    return CACHE_DTYPES[name]
