@@ -1,0 +1,302 @@
+"""Turning a step's logits into tokens: penalties, the processed distribution, seeded sampling and
+logprobs, batched over requests.
+
+The pipeline of one step (`Sampler.__call__`):
+
+    raw logits ─► logprobs (of the raw model distribution, as vLLM reports them)
+        └► min_tokens mask ─► penalties ─► process_logits ─► probs ─► sample ─► tokens
+
+`process_logits` is a function of its own because speculative decoding's rejection sampler needs
+the same processed distribution for the target model (p) and the draft (q).
+
+Nothing here loops over the vocabulary in Python, and nothing reads a device value on the host:
+which optional stages run is decided from the requests' `SamplingParams` when the per-step
+`SamplingTensors` are built (gpt-fast style). The only Python loop is over *seeded* rows, each of
+which draws its noise from its own generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from megactx.engine.sampling_params import SamplingParams
+
+# Padding of token-id tensors ([B, N] with rows of different lengths).
+PAD_ID = -1
+
+
+@dataclass
+class SamplingTensors:
+    """The per-row settings of one batch, as device tensors, plus host flags that say which
+    stages any row needs (so disabled stages cost nothing and need no host sync).
+
+    Rows are requests (or, for the rejection sampler, positions; see `select`). Shapes: [B].
+    """
+
+    temperature: torch.Tensor  # [B] fp32; 0 = greedy
+    top_k: torch.Tensor  # [B] int64 in [1, vocab]; "off" is stored as vocab
+    top_p: torch.Tensor  # [B] fp32 in (0, 1]
+    min_p: torch.Tensor  # [B] fp32 in [0, 1]
+    repetition_penalty: torch.Tensor  # [B] fp32, 1 = off
+    presence_penalty: torch.Tensor  # [B] fp32
+    frequency_penalty: torch.Tensor  # [B] fp32
+    min_tokens: torch.Tensor  # [B] int64
+    stop_token_ids: torch.Tensor  # [B, S] int64, PAD_ID padded: EOS (unless ignore_eos) + stop_token_ids
+    # host flags
+    all_greedy: bool
+    any_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+    any_penalties: bool
+    any_min_tokens: bool
+    max_num_logprobs: int | None  # None: no row wants logprobs
+
+    @classmethod
+    def from_params(cls, params: Sequence[SamplingParams], device: torch.device | str, vocab_size: int,
+                    eos_token_ids: Sequence[int] = ()) -> SamplingTensors:
+        """Build the tensors for one batch of requests (one H2D copy per field, no sync).
+
+        eos_token_ids: the model's EOS ids; with `min_tokens`, they and `stop_token_ids` are
+        masked until a row has generated that many tokens."""
+        if not params:
+            raise ValueError("params must hold one SamplingParams per row; got an empty list")
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+
+        def tensor(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
+        stops = [list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids)) for p in params]
+        width = max(len(s) for s in stops)
+        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            temperature=tensor([p.temperature for p in params], torch.float32),
+            top_k=tensor(top_k, torch.int64),
+            top_p=tensor([p.top_p for p in params], torch.float32),
+            min_p=tensor([p.min_p for p in params], torch.float32),
+            repetition_penalty=tensor([p.repetition_penalty for p in params], torch.float32),
+            presence_penalty=tensor([p.presence_penalty for p in params], torch.float32),
+            frequency_penalty=tensor([p.frequency_penalty for p in params], torch.float32),
+            min_tokens=tensor([p.min_tokens for p in params], torch.int64),
+            stop_token_ids=tensor([s + [PAD_ID] * (width - len(s)) for s in stops], torch.int64),
+            all_greedy=all(p.greedy for p in params),
+            any_greedy=any(p.greedy for p in params),
+            any_top_k=any(k < vocab_size for k in top_k),
+            any_top_p=any(p.top_p < 1 for p in params),
+            any_min_p=any(p.min_p > 0 for p in params),
+            any_penalties=any(p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
+                              for p in params),
+            any_min_tokens=any(p.min_tokens > 0 for p in params) and width > 0,
+            max_num_logprobs=max(logprobs) if logprobs else None,
+        )
+
+    def select(self, rows: torch.Tensor) -> SamplingTensors:
+        """The settings for rows `rows` ([R] int64 indices into B), e.g. one row per verified
+        position in speculative decoding. Host flags stay those of the whole batch (a superset)."""
+        gathered = {name: getattr(self, name).index_select(0, rows)
+                    for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                                 "presence_penalty", "frequency_penalty", "min_tokens", "stop_token_ids")}
+        return replace(self, **gathered)
+
+
+@dataclass
+class SamplingBatch:
+    """What the sampler needs about one step's rows besides the logits.
+
+    prompt_token_ids / output_token_ids: [B, P] / [B, N] int64, PAD_ID padded (see
+    `pad_token_ids`); they feed the penalties and `min_tokens`. None when no row needs them.
+    generators: per row, the request's own generator (seeded requests, see `make_generator`) or
+    None to draw from the sampler's shared generator.
+    """
+
+    tensors: SamplingTensors
+    prompt_token_ids: torch.Tensor | None = None
+    output_token_ids: torch.Tensor | None = None
+    generators: Sequence[torch.Generator | None] | None = None
+
+
+@dataclass
+class SamplerOutput:
+    tokens: torch.Tensor  # [B] int64
+    # Logprobs of the raw model distribution (log_softmax of the logits before penalties,
+    # temperature and truncation, like vLLM's default); None when no row asked for logprobs.
+    logprobs: torch.Tensor | None = None  # [B] fp32, of the chosen token
+    top_logprobs: torch.Tensor | None = None  # [B, N] fp32, N = the batch's largest `logprobs`, descending
+    top_token_ids: torch.Tensor | None = None  # [B, N] int64
+
+
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """The generator a seeded request keeps for its whole life: each step draws from it, so its
+    tokens depend only on its seed and its own history, never on the other rows of the batch."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+def pad_token_ids(token_ids: Sequence[Sequence[int]], device: torch.device | str) -> torch.Tensor:
+    """Rows of different lengths -> [B, max_len] int64, PAD_ID padded (at least one column)."""
+    width = max(1, max((len(row) for row in token_ids), default=0))
+    return torch.tensor([list(row) + [PAD_ID] * (width - len(row)) for row in token_ids],
+                        dtype=torch.int64, device=device)
+
+
+def token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """How often each vocabulary token occurs in each row: token_ids [B, N] int64 (PAD_ID padded)
+    -> [B, vocab_size] fp32."""
+    bsz = token_ids.shape[0]
+    # Padding is sent to an extra column that is dropped, so no mask or host-side filtering is needed.
+    index = torch.where(token_ids < 0, vocab_size, token_ids)
+    counts = torch.zeros(bsz, vocab_size + 1, dtype=torch.float32, device=token_ids.device)
+    counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, tensors: SamplingTensors, prompt_token_ids: torch.Tensor | None,
+                    output_token_ids: torch.Tensor | None) -> torch.Tensor:
+    """Repetition, presence and frequency penalties. logits: [B, V] fp32; token ids: [B, *] int64,
+    PAD_ID padded, or None for none. Returns new logits [B, V] fp32.
+
+    - repetition (HF / vLLM): a token seen in the prompt or the output has its logit divided by the
+      penalty if positive, multiplied by it if negative (so a penalty > 1 always makes it rarer);
+    - frequency and presence (OpenAI), output tokens only:
+      logit -= frequency_penalty * count + presence_penalty * (count > 0).
+    """
+    bsz, vocab = logits.shape
+    zeros = torch.zeros(bsz, vocab, dtype=torch.float32, device=logits.device)
+    prompt = token_counts(prompt_token_ids, vocab) if prompt_token_ids is not None else zeros
+    output = token_counts(output_token_ids, vocab) if output_token_ids is not None else zeros
+    rep = tensors.repetition_penalty[:, None]
+    seen = (prompt + output) > 0
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    return (logits - tensors.frequency_penalty[:, None] * output
+            - tensors.presence_penalty[:, None] * (output > 0).float())
+
+
+def mask_stop_tokens_before_min(logits: torch.Tensor, tensors: SamplingTensors,
+                                output_token_ids: torch.Tensor | None) -> torch.Tensor:
+    """`min_tokens`: rows that have generated fewer tokens than their minimum cannot pick a stop
+    token (EOS or stop_token_ids). logits [B, V] fp32 -> [B, V] fp32."""
+    stops = tensors.stop_token_ids  # [B, S]
+    if stops.shape[1] == 0:
+        return logits
+    generated = (output_token_ids >= 0).sum(-1) if output_token_ids is not None else torch.zeros_like(
+        tensors.min_tokens)
+    active = (generated < tensors.min_tokens)[:, None] & (stops >= 0)  # [B, S]
+    vocab = logits.shape[1]
+    blocked = torch.zeros(logits.shape[0], vocab + 1, dtype=torch.bool, device=logits.device)
+    blocked.scatter_(1, torch.where(active, stops, vocab), True)
+    return logits.masked_fill(blocked[:, :vocab], float("-inf"))
+
+
+def process_logits(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
+    """The distribution a row samples from. logits [B, V] fp32 (after penalties) -> probs [B, V] fp32,
+    each row summing to 1.
+
+    In order: temperature (rows with temperature 0 get a one-hot at the argmax of `logits`), top-k
+    (exactly the k most likely; ties broken towards the lower token id), top-p (the smallest set of
+    most likely tokens whose probability sums to >= top_p; the top token always stays), min-p (drop
+    tokens with p < min_p * p_max), then renormalise. The rejection sampler calls this for both the
+    target (p) and the draft (q) distribution.
+    """
+    greedy = tensors.temperature == 0  # [B]
+    temperature = torch.where(greedy, 1.0, tensors.temperature)
+    scaled = logits / temperature[:, None]
+    if tensors.any_top_k or tensors.any_top_p:
+        probs = _truncate_sorted(scaled, tensors)
+    else:
+        probs = torch.softmax(scaled, dim=-1)
+        if tensors.any_min_p:
+            p_max = probs.amax(dim=-1, keepdim=True)
+            probs = probs.masked_fill(probs < tensors.min_p[:, None] * p_max, 0.0)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    if tensors.any_greedy:
+        one_hot = F.one_hot(logits.argmax(dim=-1), logits.shape[1]).to(probs.dtype)
+        probs = torch.where(greedy[:, None], one_hot, probs)
+    return probs
+
+
+def _truncate_sorted(scaled: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
+    """top-k, top-p and min-p in sorted order, where each is a mask on ranks. scaled [B, V] -> probs
+    [B, V] (not renormalised)."""
+    # A stable sort makes ties deterministic (lower token id first) and independent of the batch.
+    sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)  # [B, V]
+    rank = torch.arange(scaled.shape[1], device=scaled.device)
+    sorted_logits = sorted_logits.masked_fill(rank[None, :] >= tensors.top_k[:, None], float("-inf"))
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)  # the top-k distribution, renormalised
+    if tensors.any_top_p:
+        cumulative = sorted_probs.cumsum(dim=-1)
+        before = torch.cat([torch.zeros_like(cumulative[:, :1]), cumulative[:, :-1]], dim=-1)
+        # Keep a token while the mass before it is short of top_p. Rows with top_p = 1 are exempt:
+        # rounding can make the cumulative sum reach 1 before the last nonzero token.
+        drop = (before >= tensors.top_p[:, None]) & (tensors.top_p < 1)[:, None]
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    if tensors.any_min_p:
+        # p / p_max does not change under renormalisation, so the threshold can use these probs.
+        sorted_probs = sorted_probs.masked_fill(sorted_probs < tensors.min_p[:, None] * sorted_probs[:, :1], 0.0)
+    return torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs)
+
+
+def sample(probs: torch.Tensor, generators: Sequence[torch.Generator | None] | None = None,
+           shared_generator: torch.Generator | None = None) -> torch.Tensor:
+    """Draw one token per row. probs [B, V] fp32 (rows sum to 1) -> tokens [B] int64.
+
+    Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability p_i (it is the
+    Gumbel-max trick with E = exp(-G)) and needs no cumulative sum or host sync. generators: per
+    row, the generator of a seeded request or None; rows without one (and all rows when
+    `generators` is None) draw from `shared_generator` (None: torch's default generator). A one-hot
+    row (greedy) always yields its hot token.
+    """
+    noise = torch.empty_like(probs).exponential_(generator=shared_generator)  # [B, V]
+    for row, generator in enumerate(generators or ()):
+        if generator is not None:
+            # A seeded row draws exactly V values from its own generator each step, so its noise is
+            # the same whether it runs alone or batched.
+            noise[row].exponential_(generator=generator)
+    # E can round to 0; a tiny floor keeps p / E finite (0 / 0 would be NaN, which argmax prefers).
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    return (probs / noise).argmax(dim=-1)
+
+
+def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """log_softmax of logits [B, V] at tokens [B] -> ([B] fp32, top values [B, num_top] fp32 in
+    descending order, their ids [B, num_top] int64)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+    top_values, top_ids = logprobs.topk(num_top, dim=-1)
+    return chosen, top_values, top_ids
+
+
+class Sampler:
+    """One decode step's logits [B, V] -> `SamplerOutput`.
+
+    generator: draws the noise of unseeded rows (None: torch's default generator of the device).
+    """
+
+    def __init__(self, generator: torch.Generator | None = None):
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        tensors = batch.tensors
+        if logits.dim() != 2 or logits.shape[0] != tensors.temperature.shape[0]:
+            raise ValueError(f"logits must be [B={tensors.temperature.shape[0]}, vocab], got {tuple(logits.shape)}")
+        raw = logits.float()  # [B, V]
+        processed = raw
+        if tensors.any_min_tokens:
+            processed = mask_stop_tokens_before_min(processed, tensors, batch.output_token_ids)
+        if tensors.any_penalties:
+            processed = apply_penalties(processed, tensors, batch.prompt_token_ids, batch.output_token_ids)
+        if tensors.all_greedy:
+            tokens = processed.argmax(dim=-1)
+        else:
+            tokens = sample(process_logits(processed, tensors), batch.generators, self.generator)
+        if tensors.max_num_logprobs is None:
+            return SamplerOutput(tokens)
+        chosen, top_values, top_ids = compute_logprobs(raw, tokens, tensors.max_num_logprobs)
+        return SamplerOutput(tokens, chosen, top_values, top_ids)

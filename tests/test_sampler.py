@@ -1,0 +1,339 @@
+import math
+
+import pytest
+import torch
+
+from megactx.engine.sampler import (
+    PAD_ID,
+    Sampler,
+    SamplingBatch,
+    SamplingTensors,
+    apply_penalties,
+    make_generator,
+    pad_token_ids,
+    process_logits,
+    sample,
+    token_counts,
+)
+from megactx.engine.sampling_params import MAX_LOGPROBS, SamplingParams, check_stop
+
+VOCAB = 10
+
+
+def tensors_for(*params: SamplingParams, vocab: int = VOCAB, eos=()) -> SamplingTensors:
+    return SamplingTensors.from_params(list(params), "cpu", vocab, eos_token_ids=eos)
+
+
+def reference_probs(logits: list[float], p: SamplingParams) -> list[float]:
+    """The documented pipeline written out for one row in float64 Python."""
+    vocab = len(logits)
+    if p.temperature == 0:
+        best = max(range(vocab), key=lambda i: (logits[i], -i))
+        return [float(i == best) for i in range(vocab)]
+    scaled = [x / p.temperature for x in logits]
+    order = sorted(range(vocab), key=lambda i: (-scaled[i], i))
+    kept = order[: p.top_k] if p.top_k else order
+    z = sum(math.exp(scaled[i]) for i in kept)
+    probs = {i: math.exp(scaled[i]) / z for i in kept}
+    if p.top_p < 1:
+        mass, nucleus = 0.0, []
+        for i in kept:
+            if nucleus and mass >= p.top_p:
+                break
+            nucleus.append(i)
+            mass += probs[i]
+        probs = {i: probs[i] for i in nucleus}
+    p_max = max(probs.values())
+    probs = {i: q for i, q in probs.items() if q >= p.min_p * p_max}
+    total = sum(probs.values())
+    return [probs.get(i, 0.0) / total for i in range(vocab)]
+
+
+def probs_to_logits(probs: list[float]) -> torch.Tensor:
+    return torch.tensor(probs, dtype=torch.float64).log().float()[None]
+
+
+# ----------------------------------------------------------------------------- process_logits
+
+
+def test_temperature_divides_the_logits_before_the_softmax():
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=t) for t in (0.5, 1.0, 2.0)]
+    probs = process_logits(logits, tensors_for(*params))
+    expected = torch.softmax(logits / torch.tensor([0.5, 1.0, 2.0])[:, None], dim=-1)
+    torch.testing.assert_close(probs, expected)
+
+
+def test_temperature_zero_is_a_one_hot_at_the_argmax():
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(1))
+    probs = process_logits(logits, tensors_for(*[SamplingParams(temperature=0.0, top_k=3, top_p=0.5)] * 4))
+    torch.testing.assert_close(probs, torch.nn.functional.one_hot(logits.argmax(-1), VOCAB).float())
+
+
+def test_top_k_keeps_exactly_k_tokens_even_with_ties():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 3.0, 0.0, -1.0]])
+    probs = process_logits(logits, tensors_for(SamplingParams(top_k=2), vocab=6))
+    # Ties go to the lower token ids, so tokens 1 and 2 share the mass.
+    torch.testing.assert_close(probs, torch.tensor([[0.0, 0.5, 0.5, 0.0, 0.0, 0.0]]))
+
+
+def test_top_k_larger_than_the_vocab_or_zero_is_off():
+    tensors = tensors_for(SamplingParams(top_k=0), SamplingParams(top_k=10_000))
+    assert tensors.top_k.tolist() == [VOCAB, VOCAB] and not tensors.any_top_k
+    assert SamplingParams(top_k=-1).top_k == 0  # vLLM's "off"
+
+
+@pytest.mark.parametrize("top_p, kept", [(0.3, 1), (0.75, 2), (0.85, 3), (0.99, 4)])
+def test_top_p_keeps_the_smallest_set_reaching_top_p(top_p, kept):
+    base = [0.5, 0.3, 0.15, 0.05]
+    probs = process_logits(probs_to_logits(base), tensors_for(SamplingParams(top_p=top_p), vocab=4))
+    expected = torch.tensor(base[:kept] + [0.0] * (4 - kept))
+    torch.testing.assert_close(probs[0], expected / expected.sum())
+
+
+def test_top_p_one_keeps_even_the_tiniest_tokens():
+    logits = torch.tensor([[30.0, 0.0, -5.0, -10.0]])
+    probs = process_logits(logits, tensors_for(SamplingParams(top_p=1.0, top_k=4), vocab=4))
+    assert (probs > 0).all()
+    torch.testing.assert_close(probs, torch.softmax(logits, -1))
+
+
+def test_min_p_drops_tokens_below_min_p_times_the_top_probability():
+    base = [0.5, 0.3, 0.15, 0.05]
+    probs = process_logits(probs_to_logits(base), tensors_for(SamplingParams(min_p=0.2), vocab=4))
+    torch.testing.assert_close(probs[0], torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95)
+    # Combined with top-k (the sorted path) the threshold is the same.
+    probs = process_logits(probs_to_logits(base), tensors_for(SamplingParams(min_p=0.2, top_k=3), vocab=4))
+    torch.testing.assert_close(probs[0], torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95)
+
+
+def test_process_logits_matches_the_written_out_pipeline_on_mixed_rows():
+    gen = torch.Generator().manual_seed(2)
+    params = [SamplingParams(temperature=float(t), top_k=int(k), top_p=float(p), min_p=float(m))
+              for t, k, p, m in [(1.0, 0, 1.0, 0.0), (0.7, 3, 1.0, 0.0), (1.3, 0, 0.6, 0.0), (0.9, 0, 1.0, 0.3),
+                                 (1.0, 5, 0.8, 0.1), (0.0, 2, 0.5, 0.0), (2.0, 8, 0.95, 0.05)]]
+    logits = torch.randn(len(params), VOCAB, generator=gen) * 2
+    probs = process_logits(logits, tensors_for(*params))
+    expected = torch.tensor([reference_probs(row.tolist(), p) for row, p in zip(logits.double(), params)],
+                            dtype=torch.float64)
+    torch.testing.assert_close(probs.double(), expected, atol=1e-6, rtol=1e-5)
+
+
+def test_selected_rows_process_like_the_original_rows():
+    params = [SamplingParams(top_k=2), SamplingParams(top_p=0.5, temperature=0.5)]
+    tensors = tensors_for(*params)
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(3))
+    rows = torch.tensor([1, 1, 0])
+    expected = process_logits(logits, tensors)[rows]
+    torch.testing.assert_close(process_logits(logits[rows], tensors.select(rows)), expected)
+
+
+# ----------------------------------------------------------------------------- penalties
+
+
+def test_penalties_match_a_hand_computation():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
+    tensors = tensors_for(SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25),
+                          vocab=5)
+    out = apply_penalties(logits, tensors, prompt_token_ids=torch.tensor([[0, PAD_ID]]),
+                          output_token_ids=torch.tensor([[1, 1, 3]]))
+    # token 0: prompt only -> repetition only: 2 / 2. token 1: output x2, negative: -1 * 2 - 0.25 * 2 - 0.5.
+    # token 2: unseen. token 3: output x1: 3 / 2 - 0.25 - 0.5. token 4: unseen.
+    torch.testing.assert_close(out, torch.tensor([[1.0, -3.0, 0.5, 0.75, -2.0]]))
+
+
+def test_penalties_are_per_row_and_padding_counts_nothing():
+    logits = torch.zeros(2, 4)
+    tensors = tensors_for(SamplingParams(frequency_penalty=1.0), SamplingParams(), vocab=4)
+    out = apply_penalties(logits, tensors, None, pad_token_ids([[2, 2], [2]], "cpu"))
+    torch.testing.assert_close(out, torch.tensor([[0.0, 0.0, -2.0, 0.0], [0.0, 0.0, 0.0, 0.0]]))
+    assert token_counts(torch.tensor([[PAD_ID, 3, 3]]), 4).tolist() == [[0.0, 0.0, 0.0, 2.0]]
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def run_steps(sampler, logits_steps, params, generators, row):
+    tensors = tensors_for(*params)
+    return [sampler(logits, SamplingBatch(tensors, generators=generators)).tokens[row].item()
+            for logits in logits_steps]
+
+
+def test_greedy_rows_take_the_argmax_in_a_mixed_batch():
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(4))
+    params = [SamplingParams(temperature=0.0), SamplingParams(), SamplingParams(temperature=0.0, top_p=0.1),
+              SamplingParams(top_k=3)]
+    out = Sampler(torch.Generator().manual_seed(0))(logits, SamplingBatch(tensors_for(*params)))
+    assert out.tokens[[0, 2]].tolist() == logits.argmax(-1)[[0, 2]].tolist()
+    assert out.logprobs is None and out.top_logprobs is None
+
+
+def test_a_seeded_request_samples_the_same_alone_and_batched():
+    steps = [torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(10 + i)) for i in range(8)]
+    seeded = SamplingParams(seed=1234, top_k=7)
+    alone = run_steps(Sampler(), [s[1:2] for s in steps], [seeded], [make_generator(1234, "cpu")], row=0)
+    batched = run_steps(Sampler(torch.Generator().manual_seed(99)), steps,
+                        [SamplingParams(seed=5), seeded, SamplingParams()],
+                        [make_generator(5, "cpu"), make_generator(1234, "cpu"), None], row=1)
+    again = run_steps(Sampler(), [s[1:2] for s in steps], [seeded], [make_generator(1234, "cpu")], row=0)
+    assert alone == batched == again
+
+
+def test_different_seeds_give_different_tokens():
+    steps = [torch.zeros(1, VOCAB)] * 20  # uniform: any difference comes from the seed
+    runs = [run_steps(Sampler(), steps, [SamplingParams(seed=s)], [make_generator(s, "cpu")], row=0)
+            for s in (1, 2)]
+    assert runs[0] != runs[1]
+
+
+CHI2_4_DOF_P001 = 18.467  # chi-square critical value, 4 degrees of freedom, p = 0.001
+
+
+def chi_square(tokens: torch.Tensor, probs: torch.Tensor) -> float:
+    observed = torch.bincount(tokens, minlength=probs.numel()).double()
+    expected = probs.double() * tokens.numel()
+    return ((observed - expected) ** 2 / expected).sum().item()
+
+
+def test_sample_follows_probs_by_chi_square():
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.15, 0.25])
+    num = 20_000
+    tokens = sample(probs.expand(num, 5).contiguous(), shared_generator=torch.Generator().manual_seed(7))
+    assert chi_square(tokens, probs) < CHI2_4_DOF_P001
+    # The test has power: a sampler that is slightly off (p ** 0.8, renormalised) fails it.
+    skewed = probs ** 0.8 / (probs ** 0.8).sum()
+    wrong = sample(skewed.expand(num, 5).contiguous(), shared_generator=torch.Generator().manual_seed(7))
+    assert chi_square(wrong, probs) > CHI2_4_DOF_P001
+
+
+def test_sample_never_picks_a_zero_probability_token():
+    probs = torch.tensor([[0.0, 1.0, 0.0], [0.5, 0.0, 0.5]]).repeat(500, 1)
+    tokens = sample(probs, shared_generator=torch.Generator().manual_seed(8))
+    assert (probs.gather(1, tokens[:, None]) > 0).all()
+
+
+# ----------------------------------------------------------------------------- logprobs and min_tokens
+
+
+def test_logprobs_are_the_log_softmax_of_the_raw_logits():
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(9)) * 3
+    params = [SamplingParams(logprobs=3, temperature=0.5, repetition_penalty=1.5), SamplingParams(logprobs=0),
+              SamplingParams(temperature=0.0)]
+    batch = SamplingBatch(tensors_for(*params), output_token_ids=pad_token_ids([[1, 2], [], [4]], "cpu"))
+    out = Sampler(torch.Generator().manual_seed(0))(logits, batch)
+    reference = torch.log_softmax(logits, dim=-1)
+    torch.testing.assert_close(out.logprobs, reference.gather(1, out.tokens[:, None]).squeeze(1))
+    values, ids = reference.topk(3, dim=-1)
+    torch.testing.assert_close(out.top_logprobs, values)
+    assert out.top_token_ids.tolist() == ids.tolist()
+
+
+def test_min_tokens_blocks_eos_and_stop_tokens_until_reached():
+    logits = torch.tensor([[0.0, 5.0, 4.0, 1.0]])  # EOS (1) first, stop token (2) second
+    params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[2])
+    tensors = tensors_for(params, vocab=4, eos=[1])
+    early = SamplingBatch(tensors, output_token_ids=pad_token_ids([[3]], "cpu"))
+    late = SamplingBatch(tensors, output_token_ids=pad_token_ids([[3, 3]], "cpu"))
+    assert Sampler()(logits, early).tokens.tolist() == [3]
+    assert Sampler()(logits, late).tokens.tolist() == [1]
+
+
+# ----------------------------------------------------------------------------- stopping
+
+
+EOS = (100, 101)
+
+
+def test_stop_string_cuts_the_text_before_it():
+    params = SamplingParams(stop=["###", "END"], max_tokens=50)
+    assert check_stop([5, 6], "hello END there", 9, params, EOS) == (True, "stop", 6)
+    assert check_stop([5, 6], "hello", 5, params, EOS) == (False, None, None)
+
+
+def test_stop_string_spanning_two_chunks_is_found():
+    params = SamplingParams(stop=["###"], max_tokens=50)
+    assert check_stop([5], "abc#", 4, params, EOS) == (False, None, None)
+    assert check_stop([5, 6], "abc##!", 2, params, EOS) == (False, None, None)
+    assert check_stop([5, 6, 7], "abc##!#", 1, params, EOS) == (False, None, None)
+    assert check_stop([5, 6], "abc###x", 3, params, EOS) == (True, "stop", 3)
+
+
+def test_the_earliest_stop_string_wins():
+    params = SamplingParams(stop=["zz", "b"], max_tokens=50)
+    assert check_stop([5], "a b zz", 6, params, EOS) == (True, "stop", 2)
+
+
+@pytest.mark.parametrize("eos", EOS)
+def test_any_eos_id_stops_and_its_text_is_dropped(eos):
+    params = SamplingParams(max_tokens=50)
+    assert check_stop([5, eos], "hi</s>", 4, params, EOS) == (True, "stop", 2)
+    assert check_stop([5, eos], "hi", 0, params, EOS) == (True, "stop", None)
+
+
+def test_stop_token_ids_stop_even_with_ignore_eos():
+    params = SamplingParams(stop_token_ids=[7], ignore_eos=True, max_tokens=50)
+    assert check_stop([5, 100], "ab", 1, params, EOS) == (False, None, None)
+    assert check_stop([5, 7], "ab", 1, params, EOS) == (True, "stop", 1)
+
+
+def test_max_tokens_finishes_with_length_and_min_tokens_delays_stops():
+    assert check_stop([5, 6, 7], "abc", 1, SamplingParams(max_tokens=3), EOS) == (True, "length", None)
+    assert check_stop([5, 6, 7], "abc", 1, SamplingParams(max_tokens=4), EOS) == (False, None, None)
+    params = SamplingParams(min_tokens=3, max_tokens=5, stop=["b"])
+    assert check_stop([5, 100], "ab", 1, params, EOS) == (False, None, None)
+    assert check_stop([5, 6, 100], "abc", 1, params, EOS) == (True, "stop", 2)
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("bad", [
+    dict(temperature=-0.1), dict(temperature=float("inf")), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2),
+    dict(top_k=2.5), dict(min_p=-0.1), dict(min_p=1.1), dict(max_tokens=0), dict(min_tokens=-1),
+    dict(min_tokens=20), dict(seed=2**64), dict(seed=1.5), dict(stop=[""]), dict(stop_token_ids=[-1]),
+    dict(ignore_eos="yes"), dict(repetition_penalty=0.0), dict(presence_penalty=2.5),
+    dict(frequency_penalty=-2.1), dict(logprobs=MAX_LOGPROBS + 1), dict(logprobs=-1), dict(n=0),
+])
+def test_sampling_params_name_the_bad_field(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        SamplingParams(**bad)
+
+
+def test_a_single_stop_string_becomes_a_list():
+    assert SamplingParams(stop="\n").stop == ["\n"]
+
+
+def test_check_stop_refuses_more_new_chars_than_text():
+    with pytest.raises(ValueError, match="num_new_chars"):
+        check_stop([1], "ab", 3, SamplingParams(), EOS)
+
+
+# ----------------------------------------------------------------------------- on the GPU
+
+
+@pytest.mark.gpu
+def test_cuda_seeded_rows_are_batch_invariant_and_distributions_match_cpu():
+    vocab, steps = 151_552, 6  # a GLM-sized vocabulary
+    gen = torch.Generator().manual_seed(11)
+    logits_steps = [torch.randn(4, vocab, generator=gen).cuda() * 3 for _ in range(steps)]
+    seeded = SamplingParams(seed=77, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.2)
+    params = [SamplingParams(), seeded, SamplingParams(temperature=0.0), SamplingParams(seed=3, top_p=0.5)]
+    tensors = SamplingTensors.from_params(params, "cuda", vocab)
+    history = pad_token_ids([[1, 2], [3, 4, 5], [], [6]], "cuda")
+
+    def tokens_of(row_logits, step_tensors, generators, row, out_ids):
+        batch = SamplingBatch(step_tensors, output_token_ids=out_ids, generators=generators)
+        return [Sampler()(logits, batch).tokens[row].item() for logits in row_logits]
+
+    gens = [None, make_generator(77, "cuda"), None, make_generator(3, "cuda")]
+    batched = tokens_of(logits_steps, tensors, gens, 1, history)
+    alone_tensors = SamplingTensors.from_params([seeded], "cuda", vocab)
+    alone = tokens_of([s[1:2] for s in logits_steps], alone_tensors, [make_generator(77, "cuda")], 0, history[1:2])
+    assert alone == batched
+
+    cpu_probs = process_logits(logits_steps[0].cpu(), SamplingTensors.from_params(params, "cpu", vocab))
+    torch.testing.assert_close(process_logits(logits_steps[0], tensors).cpu(), cpu_probs, atol=1e-6, rtol=1e-4)
+
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.15, 0.25], device="cuda")
+    drawn = sample(probs.expand(20_000, 5).contiguous(), shared_generator=make_generator(7, "cuda"))
+    assert chi_square(drawn.cpu(), probs.cpu()) < CHI2_4_DOF_P001
