@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+from typing import Any
 
 from megactx import __version__
 
@@ -20,7 +22,48 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     add_demo_parser(sub)
     add_flops_parser(sub)
+    add_bench_parser(sub)
     return parser
+
+
+# `megactx bench SUITE`: each suite is the module benchmarks.<SUITE>, which defines HELP, a module
+# docstring (the --help text), add_arguments(parser) and run(args) -> exit code. `engine` and
+# `spec` plug in by adding their names here.
+BENCH_SUITES = ("kernels",)
+
+
+def add_bench_parser(subparsers: Any) -> None:
+    """Register `bench` and one sub-subcommand per suite on an argparse subparsers object."""
+    p = subparsers.add_parser("bench", help="benchmarks on this machine: " + ", ".join(BENCH_SUITES),
+                              description="Benchmarks: JSON + Markdown + PNG under benchmarks/results/, with the "
+                                          "machine's own ceilings and every peer measured in the same run.")
+    suites = p.add_subparsers(dest="suite", metavar="SUITE")
+    p.set_defaults(func=lambda args: _print_help(p))
+    for name in BENCH_SUITES:
+        try:
+            module = importlib.import_module(f"benchmarks.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != "benchmarks":
+                raise
+            # an install without the repository's benchmarks/ package: say so when asked to run
+            sp = suites.add_parser(name, help="(needs the benchmarks/ package of the megactx repository)")
+            sp.set_defaults(func=_missing_benchmarks)
+            continue
+        sp = suites.add_parser(name, help=module.HELP, description=module.__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(sp)
+        sp.set_defaults(func=module.run)
+
+
+def _print_help(parser: argparse.ArgumentParser) -> int:
+    parser.print_help()
+    return 0
+
+
+def _missing_benchmarks(args: argparse.Namespace) -> int:
+    print("megactx bench: error: the benchmarks package is not importable; run from a checkout of the "
+          "megactx repository, or install it with `pip install -e .` there", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:

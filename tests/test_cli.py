@@ -19,9 +19,9 @@ def test_help_lists_the_commands(capsys):
     assert "demo" in out and "flops" in out
 
 
-def test_engine_is_refused_clearly_until_it_exists():
-    with pytest.raises(NotImplementedError, match="load_model"):
-        LLM("tiny")
+def test_engine_names_a_missing_checkpoint(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no-such-checkpoint"):
+        LLM(tmp_path / "no-such-checkpoint")
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(max_tokens=0), dict(min_p=2)])

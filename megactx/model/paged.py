@@ -19,9 +19,11 @@ from dataclasses import dataclass
 import torch
 
 from megactx.config import ModelConfig
+
+# A module object, not names from it: kernels.reference imports model.quant, so while it loads first
+# this module can be imported with it half-initialised; its attributes are only read at call time.
 from megactx.kernels import reference as ref
 
-BLOCK_SIZE = ref.BLOCK_SIZE
 # The indexer computes logits for this many bytes of [query rows × keys] at a time (fp32), then
 # keeps each row's top-k: a 1M-token prefill never materialises its [1M × 1M] logits.
 LOGITS_BUDGET_BYTES = 256 << 20
@@ -81,9 +83,9 @@ class PagedBatch:
         for b, (table, start, n) in enumerate(zip(block_tables, starts, num_tokens)):
             if start < 0 or n < 0:
                 raise ValueError(f"sequence {b}: start {start} and num_tokens {n} must be >= 0")
-            if start + n > len(table) * BLOCK_SIZE:
+            if start + n > len(table) * ref.BLOCK_SIZE:
                 raise ValueError(f"sequence {b}: positions up to {start + n - 1} need "
-                                 f"{-(-(start + n) // BLOCK_SIZE)} blocks, its block table has {len(table)}")
+                                 f"{-(-(start + n) // ref.BLOCK_SIZE)} blocks, its block table has {len(table)}")
             positions.append(torch.arange(start, start + n))
             seq_idx.append(torch.full((n,), b, dtype=torch.int32))
         pos = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.int64)
@@ -92,7 +94,7 @@ class PagedBatch:
         table = torch.zeros(len(block_tables), max(width, 1), dtype=torch.int32)
         for b, t in enumerate(block_tables):
             table[b, : len(t)] = torch.as_tensor(t, dtype=torch.int32)
-        slots = table[seq.long(), pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE
+        slots = table[seq.long(), pos // ref.BLOCK_SIZE].long() * ref.BLOCK_SIZE + pos % ref.BLOCK_SIZE
         key_len = (pos + 1).int()
         return cls(pos.to(device), slots.to(device), seq.to(device), key_len.to(device), table.to(device), key_len)
 
@@ -129,13 +131,15 @@ def alloc_caches(cfg: ModelConfig, num_blocks: int, kv_dtype: torch.dtype, index
     return caches
 
 
-def cache_bytes_per_token(cfg: ModelConfig, kv_dtype: torch.dtype, index_dtype: torch.dtype) -> int:
-    """Bytes a token occupies across all layers' caches (MTP layers included)."""
+def cache_bytes_per_token(cfg: ModelConfig, kv_dtype: torch.dtype, index_dtype: torch.dtype,
+                          indexer_in_every_layer: bool = False) -> int:
+    """Bytes a token occupies across all layers' caches (MTP layers included); with
+    indexer_in_every_layer, what it would take without IndexShare."""
     r, dr, DI = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim
     kv = ref.mla_fp8_bytes(r, dr) if kv_dtype == torch.uint8 else (r + dr) * kv_dtype.itemsize
     index = DI + 4 if index_dtype == torch.uint8 else DI * index_dtype.itemsize
     num_layers = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
-    num_indexers = len(cfg.full_layers) + cfg.num_nextn_predict_layers
+    num_indexers = (num_layers if indexer_in_every_layer else len(cfg.full_layers) + cfg.num_nextn_predict_layers)
     return num_layers * kv + num_indexers * index
 
 

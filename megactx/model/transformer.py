@@ -14,12 +14,12 @@ import torch
 from torch import nn
 
 from megactx.config import ModelConfig
+from megactx.kernels import reference as ref  # attributes read at call time (see model/paged.py)
 from megactx.model.attention import LayerCache
 from megactx.model.decoder import DecoderLayer
 from megactx.model.layers import RMSNorm, Rotary
 from megactx.model.mtp import MTPLayer
 from megactx.model.paged import (
-    BLOCK_SIZE,
     KernelOps,
     PagedBatch,
     PagedLayerCache,
@@ -128,7 +128,7 @@ class Transformer(nn.Module):
         """input_ids: [B, S] -> logits [B, S, vocab] fp32, by prefilling the B prompts into fresh
         paged caches (kv_cache_dtype / index_cache_dtype) through `ops`: the paged path end to end."""
         B, S = input_ids.shape
-        blocks = -(-S // BLOCK_SIZE)
+        blocks = -(-S // ref.BLOCK_SIZE)
         kv_dtype = resolve_cache_dtype(self.kv_cache_dtype, self.dtype)
         index_dtype = resolve_cache_dtype(self.index_cache_dtype, self.dtype)
         caches = alloc_caches(self.cfg, B * blocks, kv_dtype, index_dtype, input_ids.device)

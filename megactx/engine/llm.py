@@ -1,0 +1,362 @@
+"""`LLM`: the offline engine — requests in, completions out, one scheduler step at a time.
+
+    llm = LLM("path/to/checkpoint")
+    outs = llm.generate(["def fib(n):"], SamplingParams(temperature=0.0, max_tokens=64))
+    for delta in llm.stream("def fib(n):", SamplingParams(max_tokens=64)): print(delta.text, end="")
+
+A step: the scheduler picks chunks (decodes first, prefill chunks under the token budget), the
+model runner computes them over the paged caches, the sampler turns the logits of the chunks that
+reached their sequence's end into tokens (one host sync a step), and each request's detokenizer
+and stop rule turn tokens into text and finish reasons. `step()` returns what changed, which is
+what `generate`, `stream` and the HTTP server build on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from megactx.engine.block_manager import BlockManager
+from megactx.engine.model_runner import CacheConfig, ModelRunner, plan_num_blocks
+from megactx.engine.sampler import Sampler, SamplingBatch, SamplingTensors, make_generator, pad_token_ids
+from megactx.engine.sampling_params import SamplingParams, check_stop
+from megactx.engine.scheduler import Scheduler, SchedulerConfig
+from megactx.engine.sequence import Sequence as Seq
+from megactx.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from megactx.model.paged import cache_bytes_per_token, resolve_cache_dtype
+from megactx.model.transformer import Transformer
+
+log = logging.getLogger("megactx")
+
+Prompt = str | list[int]
+
+
+@dataclass
+class TokenLogprobs:
+    """The chosen token's logprob and the `logprobs` most likely tokens' (id -> logprob)."""
+
+    token_id: int
+    logprob: float
+    top: dict[int, float]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finish_reason is not None for o in self.outputs)
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+
+@dataclass
+class Delta:
+    """What one step added to one completion of a request (streaming)."""
+
+    request_id: str
+    index: int  # which of the request's n completions
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None
+
+
+@dataclass
+class EngineStats:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    steps: int = 0
+    preemptions: int = 0
+    time_to_first_token: list[float] = field(default_factory=list)  # seconds, per request
+    inter_token_latency: list[float] = field(default_factory=list)  # seconds, per generated token
+
+
+class _Request:
+    def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
+                 seqs: list[Seq], tokenizer: Tokenizer | None):
+        self.output = RequestOutput(request_id, prompt, prompt_ids,
+                                    [CompletionOutput(i, logprobs=[] if params.logprobs is not None else None)
+                                     for i in range(len(seqs))], arrival_time=time.perf_counter())
+        self.params = params
+        self.seqs = seqs
+        self.detoks = [IncrementalDetokenizer(tokenizer, prompt_ids) if tokenizer else None for _ in seqs]
+        self.full_text = [""] * len(seqs)  # decoded so far, before stop-string truncation
+        self.emitted = [0] * len(seqs)  # characters of full_text already streamed
+        self.last_token_time: list[float | None] = [None] * len(seqs)
+
+
+class LLM:
+    """The paged-KV inference engine (continuous batching, chunked prefill, prefix caching).
+
+    model: a checkpoint directory, or a `Transformer` already built (tests, benchmarks).
+    tokenizer: a directory with tokenizer.json (default: the checkpoint's, if it has one); without
+    one, prompts must be token ids and outputs carry no text.
+    device / dtype: default CUDA + bf16 when available, else CPU + fp32. backend: "triton" on CUDA,
+    "torch" (the kernels' twins) on a CPU. kv_cache_dtype: "auto" (= dtype), "bf16", "fp8";
+    index_cache_dtype: the indexer cache, "fp8" on CUDA by default (what production runs), "auto"
+    (exact) on a CPU. num_speculative_tokens > 0 arrives with speculative decoding.
+    """
+
+    def __init__(self, model: str | Path | Transformer, *, tokenizer: str | Path | None = None,
+                 device: str | None = None, dtype: torch.dtype | None = None, backend: str | None = None,
+                 kv_cache_dtype: str = "auto", index_cache_dtype: str | None = None, max_model_len: int | None = None,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 8192, gpu_memory_utilization: float = 0.9,
+                 cpu_cache_bytes: int = 4 << 30, num_blocks: int | None = None, enable_prefix_caching: bool = True,
+                 chunked_prefill: bool = True, num_speculative_tokens: int = 0, seed: int = 0):
+        if num_speculative_tokens:
+            raise NotImplementedError("speculative decoding (num_speculative_tokens > 0) is not implemented yet")
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        on_cuda = torch.device(device).type == "cuda"
+        dtype = dtype or (torch.bfloat16 if on_cuda else torch.float32)
+        self.backend = backend or ("triton" if on_cuda else "torch")
+        if isinstance(model, Transformer):
+            self.model = model.to(device).eval()
+            source = None
+        else:
+            from megactx.model.weights import load_model
+
+            self.model = load_model(model, device=device, dtype=dtype)
+            source = Path(model)
+        self.cfg = self.model.cfg
+        tok_dir = Path(tokenizer) if tokenizer else source
+        self.tokenizer = Tokenizer(tok_dir) if tok_dir and (tok_dir / "tokenizer.json").is_file() else None
+        self.eos_token_ids = list(self.cfg.eos_token_id)
+
+        self.max_model_len = max_model_len or self.cfg.max_position_embeddings
+        if self.max_model_len > self.cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
+                             f"{self.cfg.max_position_embeddings}")
+        kv_dtype = resolve_cache_dtype(kv_cache_dtype, self.model.dtype)
+        index_dtype = resolve_cache_dtype(index_cache_dtype or ("fp8" if on_cuda else "auto"), self.model.dtype)
+        if num_blocks is None:
+            num_blocks = plan_num_blocks(self.model, kv_dtype, index_dtype, max_model_len=self.max_model_len,
+                                         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                         gpu_memory_utilization=gpu_memory_utilization,
+                                         cpu_cache_bytes=cpu_cache_bytes, backend=self.backend)
+        self.runner = ModelRunner(self.model, CacheConfig(kv_dtype, index_dtype, num_blocks), self.backend)
+        self.block_manager = BlockManager(num_blocks, enable_prefix_caching=enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
+                                                   max_num_batched_tokens=max_num_batched_tokens,
+                                                   chunked_prefill=chunked_prefill), self.block_manager)
+        self.device = torch.device(device)
+        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(seed))
+        self.requests: dict[str, _Request] = {}
+        self._seqs: dict[int, tuple[_Request, int]] = {}  # seq_id -> (request, completion index)
+        self._generators: dict[int, torch.Generator] = {}
+        self._ids = itertools.count()
+        self.stats = EngineStats()
+        log.info("megactx engine: %s", self.memory_report())
+
+    # ---------------------------------------------------------------------------- reports
+    def memory_report(self) -> str:
+        """KV blocks, cache bytes, and what IndexShare saves against an indexer in every layer."""
+        cfg, cache = self.cfg, self.runner.cache
+        per_token = cache_bytes_per_token(cfg, cache.kv_dtype, cache.index_dtype)
+        every = cache_bytes_per_token(cfg, cache.kv_dtype, cache.index_dtype, indexer_in_every_layer=True)
+        return (f"{cache.num_blocks} KV blocks = {cache.num_blocks * 64} tokens, {self.runner.cache_bytes / 2**20:.1f} "
+                f"MiB; {per_token} B a token ({len(cfg.full_layers)} of {cfg.num_hidden_layers} layers keep an "
+                f"indexer cache; an indexer in every layer would take {every} B a token)")
+
+    # ---------------------------------------------------------------------------- requests
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a prompt (text, or token ids); returns the request id. Raises ValueError for a
+        prompt that cannot be served (empty, too long, or text without a tokenizer)."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: give the prompt as token ids")
+            text, prompt_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, prompt_ids = None, [int(t) for t in prompt]
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if any(t < 0 or t >= self.cfg.vocab_size for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.cfg.vocab_size})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; this engine's context is {self.max_model_len} "
+                             "(prompt + at least one generated token)")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"max_tokens {params.max_tokens} does not fit: the prompt has {len(prompt_ids)} "
+                             f"tokens and the context is {self.max_model_len}, so at most "
+                             f"{self.max_model_len - len(prompt_ids)} tokens can be generated")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; use stop_token_ids")
+        seqs = [Seq(next(self._ids), prompt_ids, params, request_id) for _ in range(params.n)]
+        for seq in seqs:
+            self.scheduler.add(seq)  # may refuse (a request the cache can never hold): then none is added
+        request = _Request(request_id, text, prompt_ids, params, seqs, self.tokenizer)
+        self.requests[request_id] = request
+        for i, seq in enumerate(seqs):
+            self._seqs[seq.seq_id] = (request, i)
+            if params.seed is not None:  # completion i of a seeded request draws from seed + i
+                self._generators[seq.seq_id] = make_generator(params.seed + i, self.device)
+        self.stats.prompt_tokens += len(prompt_ids) * params.n
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now and free its blocks (a client went away). Unknown ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        self.scheduler.abort(request_id)
+        for i, seq in enumerate(request.seqs):
+            self._forget(seq)
+            if request.output.outputs[i].finish_reason is None:
+                request.output.outputs[i].finish_reason = "abort"
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def _forget(self, seq: Seq) -> None:
+        self._seqs.pop(seq.seq_id, None)
+        self._generators.pop(seq.seq_id, None)
+
+    # ---------------------------------------------------------------------------- one step
+    @torch.inference_mode()
+    def step(self) -> list[Delta]:
+        """Run one scheduler step; returns a Delta for every completion that got a token."""
+        out = self.scheduler.schedule()
+        self.stats.preemptions += len(out.preempted)
+        if out.is_empty:
+            return []
+        self.stats.steps += 1
+        logits = self.runner.execute(out.scheduled)  # [R, V]
+        seqs = [item.seq for item in out.scheduled if item.samples]
+        if not seqs:  # only prefill chunks that end mid-prompt
+            self.scheduler.postprocess(out, {})
+            return []
+        params = [seq.sampling_params for seq in seqs]
+        tensors = SamplingTensors.from_params(params, self.device, self.cfg.vocab_size, self.eos_token_ids)
+        batch = SamplingBatch(tensors, generators=[self._generators.get(seq.seq_id) for seq in seqs])
+        if tensors.any_penalties or tensors.any_min_tokens:
+            batch.prompt_token_ids = pad_token_ids([s.token_ids[: s.num_prompt_tokens] for s in seqs], self.device)
+            batch.output_token_ids = pad_token_ids([s.output_token_ids for s in seqs], self.device)
+        result = self.sampler(logits, batch)
+        tokens = result.tokens.tolist()  # the step's one host sync
+        self.scheduler.postprocess(out, {seq.seq_id: tok for seq, tok in zip(seqs, tokens)})
+
+        now = time.perf_counter()
+        deltas = []
+        for row, (seq, token) in enumerate(zip(seqs, tokens)):
+            request, index = self._seqs[seq.seq_id]
+            deltas.append(self._emit(request, index, seq, token, row, result, now))
+        return deltas
+
+    def _emit(self, request: _Request, index: int, seq: Seq, token: int, row: int, result, now: float) -> Delta:
+        completion = request.output.outputs[index]
+        completion.token_ids.append(token)
+        self.stats.generation_tokens += 1
+        if request.last_token_time[index] is None:
+            if request.output.first_token_time is None:
+                request.output.first_token_time = now
+                request.output.num_cached_tokens = seq.num_cached_tokens
+                self.stats.time_to_first_token.append(now - request.output.arrival_time)
+        else:
+            self.stats.inter_token_latency.append(now - request.last_token_time[index])
+        request.last_token_time[index] = now
+        logprobs = None
+        if completion.logprobs is not None:
+            k = request.params.logprobs
+            top = dict(zip(result.top_token_ids[row, :k].tolist(), result.top_logprobs[row, :k].tolist()))
+            logprobs = [TokenLogprobs(token, float(result.logprobs[row]), top)]
+            completion.logprobs.extend(logprobs)
+
+        new_chars = 0
+        detok = request.detoks[index]
+        if detok is not None:
+            piece = detok.add([token])
+            request.full_text[index] += piece
+            new_chars = len(piece)
+        text = request.full_text[index]
+        stop = check_stop(completion.token_ids, text, new_chars, request.params, self.eos_token_ids)
+        finished, reason, cut = stop
+        if not finished and seq.num_tokens >= self.max_model_len:
+            finished, reason = True, "length"
+        if finished:
+            if cut is not None:
+                text = text[:cut]
+            elif detok is not None and reason == "length":  # nothing is coming to complete a character
+                text = request.full_text[index] = text + detok.flush()
+            completion.finish_reason = reason
+            self.scheduler.finish(seq)
+            self._forget(seq)
+            if request.output.finished:
+                request.output.finish_time = now
+                self.requests.pop(request.output.request_id, None)
+            visible = len(text)
+        else:
+            # hold back characters that could be the start of a stop string
+            hold = max((len(s) - 1 for s in request.params.stop), default=0)
+            visible = max(request.emitted[index], len(text) - hold)
+        delta_text = text[request.emitted[index] : visible]
+        request.emitted[index] = visible
+        completion.text = text[:visible]
+        return Delta(request.output.request_id, index, delta_text, [token], logprobs, completion.finish_reason)
+
+    # ---------------------------------------------------------------------------- front ends
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete every prompt (text or token ids); outputs in the prompts' order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        outputs = {rid: self.requests[rid].output for rid in ids}
+        from tqdm import tqdm
+
+        with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
+            while any(not o.finished for o in outputs.values()):
+                before = sum(o.finished for o in outputs.values())
+                self.step()
+                bar.update(sum(o.finished for o in outputs.values()) - before)
+        return [outputs[rid] for rid in ids]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[Delta]:
+        """Yield the request's deltas as they come (other queued requests advance too)."""
+        request_id = self.add_request(prompt, params)
+        try:
+            while request_id in self.requests:
+                for delta in self.step():
+                    if delta.request_id == request_id:
+                        yield delta
+        finally:
+            self.abort(request_id)

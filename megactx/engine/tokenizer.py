@@ -1,0 +1,100 @@
+"""The checkpoint's tokenizer: `tokenizer.json` through `tokenizers`, the chat template from
+`tokenizer_config.json` (or `chat_template.jinja`) rendered with jinja2, as transformers does.
+
+`IncrementalDetokenizer` turns a growing list of output ids into text deltas for streaming: it
+decodes a short window behind the last emitted text and holds back a trailing U+FFFD (a multi-byte
+character whose bytes are not all out yet)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+
+_REPLACEMENT = "\ufffd"
+
+
+class Tokenizer:
+    def __init__(self, directory: str | Path):
+        directory = Path(directory)
+        path = directory / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{directory} has no tokenizer.json; pass prompts as token ids instead of text")
+        self._tok = HFTokenizer.from_file(str(path))
+        config = {}
+        if (directory / "tokenizer_config.json").is_file():
+            config = json.loads((directory / "tokenizer_config.json").read_text())
+        template = config.get("chat_template")
+        if (directory / "chat_template.jinja").is_file():
+            template = (directory / "chat_template.jinja").read_text()
+        self.chat_template: str | None = template if isinstance(template, str) else None
+        self.special_tokens = {k: v for k, v in config.items()
+                               if k in ("bos_token", "eos_token", "pad_token") and isinstance(v, str)}
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render OpenAI-style messages [{"role": ..., "content": ...}] into the prompt text."""
+        if self.chat_template is None:
+            raise ValueError("this checkpoint's tokenizer has no chat template; use /v1/completions with a prompt")
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
+
+        def raise_exception(message):
+            raise ValueError(message)
+
+        env.globals["raise_exception"] = raise_exception
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Text deltas of a growing output, decoded with a little context so merges at token edges
+    (e.g. a leading space, a multi-byte character) come out right."""
+
+    CONTEXT = 6  # prompt tokens decoded before the first new ones
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-self.CONTEXT:])
+        self.prefix_offset = 0  # ids[prefix_offset:read_offset] were decoded before
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def add(self, token_ids: list[int]) -> str:
+        """Append generated ids; return the new text (possibly empty while a character is incomplete)."""
+        self.ids.extend(token_ids)
+        before = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        after = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        if after.endswith(_REPLACEMENT) or len(after) < len(before):
+            return ""  # wait for the rest of the character
+        delta = after[len(before) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """The text still held back (an incomplete character at the end comes out as U+FFFD)."""
+        before = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        after = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        delta = after[len(before) :]
+        self.text += delta
+        return delta

@@ -1,0 +1,174 @@
+"""The engine (`LLM`) on a CPU with the torch backend: greedy output equals step-by-step greedy
+decoding with the reference model — with chunked prefill, preemption and prefix-cache hits — and
+sampling, stopping, logprobs, streaming and aborts behave as documented."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megactx import LLM, ModelConfig, SamplingParams
+from megactx.model import build_model
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def model():
+    # 16 indexer heads keep exact-zero ties out of the top-k of a random model (see test_paged.py)
+    cfg = ModelConfig.from_pretrained("tiny").replace(vocab_size=VOCAB, index_topk=16, index_n_heads=16,
+                                                      max_position_embeddings=1024, eos_token_id=[VOCAB - 1])
+    return build_model(cfg, seed=3)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    """A byte-level BPE trained on a little of the standard library, with a chat template."""
+    import inspect
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB - 1, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<|end|>"])
+    tok.train_from_iterator([inspect.getsource(json), inspect.getsource(inspect)], trainer)
+    directory = tmp_path_factory.mktemp("tok")
+    tok.save(str(directory / "tokenizer.json"))
+    template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "eos_token": "<|end|>"}))
+    return directory
+
+
+def _prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB - 1, (n,), generator=g).tolist() for n in lengths]
+
+
+@torch.no_grad()
+def _greedy(model, prompt, n):
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.mark.parametrize("setup", [
+    dict(),  # plenty of room
+    dict(max_num_batched_tokens=48),  # every prompt prefilled in chunks beside other decodes
+    dict(max_num_batched_tokens=48, num_blocks=5),  # and too few blocks: preemption + recompute
+    dict(chunked_prefill=False, max_num_batched_tokens=256, max_model_len=256),
+], ids=["plain", "chunked", "preempting", "unchunked"])
+def test_greedy_equals_the_reference(model, setup):
+    # prompts just short of a block edge, so decoding needs new blocks
+    prompts = _prompts([5, 100, 70, 130, 3, 64] if "num_blocks" not in setup else [60, 62, 50, 63, 40, 58])
+    llm = LLM(model, max_num_seqs=4, **({"num_blocks": 32} | setup))
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == _greedy(model, prompt, GREEDY.max_tokens)
+        assert out.outputs[0].finish_reason == "length"
+    if "num_blocks" in setup:
+        assert llm.stats.preemptions > 0, "the test meant to exercise preemption"
+    assert llm.block_manager.num_used_blocks == 0
+
+
+def test_prefix_cache_hits_keep_greedy_output(model):
+    shared = _prompts([150])[0]
+    prompts = [shared + tail for tail in _prompts([7, 20, 1], seed=1)]
+    llm = LLM(model, num_blocks=40)
+    first = llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+    rest = llm.generate(prompts[1:], GREEDY, use_tqdm=False)
+    assert [o.num_cached_tokens for o in rest] == [128, 128]  # two full blocks of the shared prefix
+    for prompt, out in zip(prompts, first + rest):
+        assert out.token_ids == _greedy(model, prompt, GREEDY.max_tokens)
+
+
+def test_seeded_sampling_is_reproducible_alone_and_batched(model):
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=123, ignore_eos=True)
+    others = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    prompt, *rest = _prompts([20, 33, 9])
+    alone = LLM(model, num_blocks=16).generate([prompt], params, use_tqdm=False)[0].token_ids
+    batched = LLM(model, num_blocks=16).generate([*rest, prompt], [others, others, params], use_tqdm=False)
+    assert batched[-1].token_ids == alone
+    other_seed = LLM(model, num_blocks=16).generate([prompt], SamplingParams(
+        temperature=1.0, top_p=0.9, max_tokens=12, seed=124, ignore_eos=True), use_tqdm=False)[0].token_ids
+    assert other_seed != alone
+
+
+def test_n_completions_differ_and_each_is_complete(model):
+    outs = LLM(model, num_blocks=16).generate(_prompts([10]), SamplingParams(
+        n=3, temperature=1.0, max_tokens=8, seed=7, ignore_eos=True), use_tqdm=False)
+    completions = outs[0].outputs
+    assert len(completions) == 3 and all(len(c.token_ids) == 8 for c in completions)
+    assert len({tuple(c.token_ids) for c in completions}) > 1
+
+
+def test_stop_token_ids_and_eos_end_the_request(model):
+    prompt = _prompts([12])[0]
+    free = _greedy(model, prompt, 10)
+    llm = LLM(model, num_blocks=16)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[free[3]]),
+                       use_tqdm=False)[0]
+    assert out.token_ids == free[: free.index(free[3]) + 1] and out.outputs[0].finish_reason == "stop"
+
+
+def test_logprobs_are_the_reference_log_softmax(model):
+    prompt = _prompts([15])[0]
+    out = LLM(model, num_blocks=16).generate([prompt], SamplingParams(temperature=0, max_tokens=3, logprobs=4),
+                                             use_tqdm=False)[0]
+    ids = list(prompt)
+    for token, lp in zip(out.token_ids, out.outputs[0].logprobs):
+        with torch.no_grad():
+            want = torch.log_softmax(model(torch.tensor([ids]))[0, -1], -1)
+        assert lp.token_id == token and abs(lp.logprob - want[token].item()) < 1e-4
+        top = want.topk(4)
+        assert list(lp.top) == top.indices.tolist()
+        assert max(abs(a - b) for a, b in zip(lp.top.values(), top.values.tolist())) < 1e-4
+        ids.append(token)
+
+
+def test_text_prompts_stop_strings_and_streaming(model, tokenizer_dir):
+    llm = LLM(model, tokenizer=tokenizer_dir, num_blocks=16)
+    prompt = "def dumps(obj, *, skipkeys=False):"
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)[0]
+    assert free.text == llm.tokenizer.decode(free.token_ids)
+    stop = free.text[5:8]
+    assert stop, "the random model produced too little text for this test"
+    cut = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, stop=[stop], ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert cut.text == free.text[: free.text.index(stop)] and cut.outputs[0].finish_reason == "stop"
+    deltas = list(llm.stream(prompt, SamplingParams(temperature=0, max_tokens=20, stop=[stop], ignore_eos=True)))
+    assert "".join(d.text for d in deltas) == cut.text
+    assert deltas[-1].finish_reason == "stop"
+    chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert chat == "<user>hi\n<assistant>"
+
+
+def test_abort_frees_the_blocks(model):
+    llm = LLM(model, num_blocks=16)
+    rid = llm.add_request(_prompts([100])[0], SamplingParams(max_tokens=50))
+    llm.step()
+    assert llm.block_manager.num_used_blocks > 0
+    llm.abort(rid)
+    assert llm.block_manager.num_used_blocks == 0 and not llm.has_unfinished()
+
+
+def test_bad_requests_are_refused_with_reasons(model):
+    llm = LLM(model, num_blocks=16, max_model_len=256)
+    with pytest.raises(ValueError, match="context is 256"):
+        llm.add_request(list(range(300)))
+    with pytest.raises(ValueError, match="empty"):
+        llm.add_request([])
+    with pytest.raises(ValueError, match="tokenizer"):
+        llm.add_request("text without a tokenizer")
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 512\)"):
+        llm.add_request([VOCAB])
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.add_request([1, 2, 3], SamplingParams(max_tokens=2000))
+    assert not llm.has_unfinished()
