@@ -1,6 +1,6 @@
-"""The engine (`LLM`) on a CPU with the torch backend: greedy output equals step-by-step greedy
-decoding with the reference model — with chunked prefill, preemption and prefix-cache hits — and
-sampling, stopping, logprobs, streaming and aborts behave as documented."""
+"""The engine (`LLM`) on a CPU with the torch backend (also on a GPU machine): greedy output equals
+step-by-step greedy decoding with the reference model — with chunked prefill, preemption and
+prefix-cache hits — and sampling, stopping, logprobs, streaming and aborts behave as documented."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 def test_greedy_equals_the_reference(model, setup):
     # prompts just short of a block edge, so decoding needs new blocks
     prompts = _prompts([5, 100, 70, 130, 3, 64] if "num_blocks" not in setup else [60, 62, 50, 63, 40, 58])
-    llm = LLM(model, max_num_seqs=4, **({"num_blocks": 32} | setup))
+    llm = LLM(model, device="cpu", max_num_seqs=4, **({"num_blocks": 32} | setup))
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == _greedy(model, prompt, GREEDY.max_tokens)
@@ -81,7 +81,7 @@ def test_greedy_equals_the_reference(model, setup):
 def test_prefix_cache_hits_keep_greedy_output(model):
     shared = _prompts([150])[0]
     prompts = [shared + tail for tail in _prompts([7, 20, 1], seed=1)]
-    llm = LLM(model, num_blocks=40)
+    llm = LLM(model, device="cpu", num_blocks=40)
     first = llm.generate(prompts[:1], GREEDY, use_tqdm=False)
     rest = llm.generate(prompts[1:], GREEDY, use_tqdm=False)
     assert [o.num_cached_tokens for o in rest] == [128, 128]  # two full blocks of the shared prefix
@@ -93,16 +93,17 @@ def test_seeded_sampling_is_reproducible_alone_and_batched(model):
     params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=123, ignore_eos=True)
     others = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
     prompt, *rest = _prompts([20, 33, 9])
-    alone = LLM(model, num_blocks=16).generate([prompt], params, use_tqdm=False)[0].token_ids
-    batched = LLM(model, num_blocks=16).generate([*rest, prompt], [others, others, params], use_tqdm=False)
+    alone = LLM(model, device="cpu", num_blocks=16).generate([prompt], params, use_tqdm=False)[0].token_ids
+    batched = LLM(model, device="cpu", num_blocks=16).generate([*rest, prompt], [others, others, params],
+                                                               use_tqdm=False)
     assert batched[-1].token_ids == alone
-    other_seed = LLM(model, num_blocks=16).generate([prompt], SamplingParams(
+    other_seed = LLM(model, device="cpu", num_blocks=16).generate([prompt], SamplingParams(
         temperature=1.0, top_p=0.9, max_tokens=12, seed=124, ignore_eos=True), use_tqdm=False)[0].token_ids
     assert other_seed != alone
 
 
 def test_n_completions_differ_and_each_is_complete(model):
-    outs = LLM(model, num_blocks=16).generate(_prompts([10]), SamplingParams(
+    outs = LLM(model, device="cpu", num_blocks=16).generate(_prompts([10]), SamplingParams(
         n=3, temperature=1.0, max_tokens=8, seed=7, ignore_eos=True), use_tqdm=False)
     completions = outs[0].outputs
     assert len(completions) == 3 and all(len(c.token_ids) == 8 for c in completions)
@@ -112,7 +113,7 @@ def test_n_completions_differ_and_each_is_complete(model):
 def test_stop_token_ids_and_eos_end_the_request(model):
     prompt = _prompts([12])[0]
     free = _greedy(model, prompt, 10)
-    llm = LLM(model, num_blocks=16)
+    llm = LLM(model, device="cpu", num_blocks=16)
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[free[3]]),
                        use_tqdm=False)[0]
     assert out.token_ids == free[: free.index(free[3]) + 1] and out.outputs[0].finish_reason == "stop"
@@ -120,8 +121,8 @@ def test_stop_token_ids_and_eos_end_the_request(model):
 
 def test_logprobs_are_the_reference_log_softmax(model):
     prompt = _prompts([15])[0]
-    out = LLM(model, num_blocks=16).generate([prompt], SamplingParams(temperature=0, max_tokens=3, logprobs=4),
-                                             use_tqdm=False)[0]
+    llm = LLM(model, device="cpu", num_blocks=16)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3, logprobs=4), use_tqdm=False)[0]
     ids = list(prompt)
     for token, lp in zip(out.token_ids, out.outputs[0].logprobs):
         with torch.no_grad():
@@ -134,7 +135,7 @@ def test_logprobs_are_the_reference_log_softmax(model):
 
 
 def test_text_prompts_stop_strings_and_streaming(model, tokenizer_dir):
-    llm = LLM(model, tokenizer=tokenizer_dir, num_blocks=16)
+    llm = LLM(model, device="cpu", tokenizer=tokenizer_dir, num_blocks=16)
     prompt = "def dumps(obj, *, skipkeys=False):"
     free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)[0]
     assert free.text == llm.tokenizer.decode(free.token_ids)
@@ -151,7 +152,7 @@ def test_text_prompts_stop_strings_and_streaming(model, tokenizer_dir):
 
 
 def test_abort_frees_the_blocks(model):
-    llm = LLM(model, num_blocks=16)
+    llm = LLM(model, device="cpu", num_blocks=16)
     rid = llm.add_request(_prompts([100])[0], SamplingParams(max_tokens=50))
     llm.step()
     assert llm.block_manager.num_used_blocks > 0
@@ -160,7 +161,7 @@ def test_abort_frees_the_blocks(model):
 
 
 def test_bad_requests_are_refused_with_reasons(model):
-    llm = LLM(model, num_blocks=16, max_model_len=256)
+    llm = LLM(model, device="cpu", num_blocks=16, max_model_len=256)
     with pytest.raises(ValueError, match="context is 256"):
         llm.add_request(list(range(300)))
     with pytest.raises(ValueError, match="empty"):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megactx.kernels import reference
-from megactx.kernels.sparse_mla import sparse_mla
+from megactx.kernels.sparse_mla import MAX_SPLITS, choose_num_splits, sparse_mla
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -149,6 +149,74 @@ def test_sparse_mla_empty_batch_and_empty_topk():
     assert torch.all(out == 0) and torch.all(lse == float("-inf"))
 
 
+# ------------------------------------------------------------------------------ split-K (flash-decoding)
+def _pad_at_end(slots: torch.Tensor) -> torch.Tensor:
+    """Each row's valid slots first, its -1 padding last (as the indexer's top-k returns them): the
+    trailing splits of a short row then hold no valid slot at all."""
+    order = torch.sort((slots < 0).int(), dim=1, stable=True).indices
+    return slots.gather(1, order).contiguous()
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
+@pytest.mark.parametrize("num_splits", [2, 3, 7])
+def test_sparse_mla_split_k_matches_twin(num_splits, fp8):
+    # K = 100 in tiles of 16 is 7 tiles: 2 splits of 4 + 3 tiles, 3 of 3 + 3 + 1 (the last split holds
+    # only K's 4 leftover slots), 7 of one tile. Row 0 is empty, row 2 half empty.
+    q, cache, slots, scale = _paged_case(5, 16, 128, 32, 100, fp8=fp8, context=130, seed=20 + num_splits)
+    _check_against_twin(q, cache, slots, scale, 128, block_n=16, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
+def test_sparse_mla_split_k_with_empty_splits(fp8):
+    # Context 40 < K = 100, padding at the end of each row: of 4 splits of 32 slots (2 tiles of 16),
+    # split 0 is full, split 1 holds 8 valid slots, splits 2-3 none; row 3 keeps only its last
+    # valid slot, in split 1, so its split 0 is empty and its empty splits sit on both sides.
+    q, cache, slots, scale = _paged_case(4, 16, 128, 32, 100, fp8=fp8, context=40, seed=31)
+    slots = _pad_at_end(slots)
+    slots[3, :39] = -1
+    _check_against_twin(q, cache, slots, scale, 128, block_n=16, num_splits=4)
+
+
+def test_sparse_mla_split_k_more_splits_than_tiles_and_one_token():
+    # One decode token (the batch-1 case split-K exists for), 50 splits asked for 3 tiles: 3 are used.
+    q, cache, slots, scale = _paged_case(1, 3, 128, 32, 40, fp8=False, context=60, seed=32)
+    _check_against_twin(q, cache, slots, scale, 128, block_n=16, num_splits=50)
+
+
+def test_sparse_mla_split_k_several_head_blocks():
+    # H = 20 in blocks of 16 (the second block mostly padding) times 3 splits: programs in
+    # head-block, split, token order must each find their own rows of the scratch.
+    q, cache, slots, scale = _paged_case(3, 20, 128, 32, 64, fp8=True, context=90, seed=33)
+    _check_against_twin(q, cache, slots, scale, 128, block_h=16, block_n=16, num_splits=3)
+
+
+def test_sparse_mla_split_k_agrees_with_one_split():
+    # The same problem with and without splitting: the combine must reproduce the single pass (fp32
+    # under the interpreter, so only rounding separates them).
+    q, cache, slots, scale = _paged_case(4, 16, 128, 32, 96, fp8=False, context=100, seed=34, q_dtype=torch.float32,
+                                         cache_dtype=torch.float32)
+    out1, lse1 = sparse_mla(q, cache, slots, scale, 128, block_n=16, num_splits=1)
+    out6, lse6 = sparse_mla(q, cache, slots, scale, 128, block_n=16, num_splits=6)
+    torch.testing.assert_close(out6, out1, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse6, lse1, rtol=1e-6, atol=1e-6)
+
+
+def test_choose_num_splits_follows_the_wave_model():
+    sms, tiles = 132, 64  # an H200; K = 2048 in tiles of 32
+    # Prefill fills the GPU many times over: no split.
+    assert choose_num_splits(4096, tiles, sms) == 1
+    # 64 decode tokens (one head block each) are half a wave: 2 splits make one full wave of half-length
+    # programs (cost 32 + 2 + 1 tiles against 64 + 2).
+    assert choose_num_splits(64, tiles, sms) == 2
+    # 256 verify tokens already take ~2 waves: splitting would only add waves.
+    assert choose_num_splits(256, tiles, sms) == 1
+    # One token: as many splits as tiles (capped), each program a single tile.
+    assert choose_num_splits(1, tiles, sms) == min(tiles, MAX_SPLITS)
+    assert choose_num_splits(1, 3, sms) == 3
+    for programs in (1, 7, 64, 130, 1000):
+        assert 1 <= choose_num_splits(programs, 5, sms) <= 5
+
+
 @pytest.mark.parametrize("change,match", [
     (lambda a: {**a, "q": a["q"][0]}, "q must be"),
     (lambda a: {**a, "q": a["q"].half()}, "q must be bf16 or fp32"),
@@ -160,8 +228,10 @@ def test_sparse_mla_empty_batch_and_empty_topk():
     (lambda a: {**a, "kv_lora_rank": 160}, "kv_lora_rank"),
     (lambda a: {**a, "kv_lora_rank": 96, "kv_cache": torch.zeros(2, 64, 96 + 3 * 4 + 2 * 64, dtype=torch.uint8,
                                                                   device=a["q"].device)}, "FP8 kv_cache needs"),
+    (lambda a: {**a, "num_splits": 0}, "num_splits must be >= 1"),
+    (lambda a: {**a, "block_n": 24}, "block_n must be a power of two"),
 ], ids=["q-rank", "q-dtype", "cache-page", "cache-dtype", "cache-row", "slots-rows", "slots-dtype", "rank",
-        "fp8-rank"])
+        "fp8-rank", "splits", "block-n"])
 def test_sparse_mla_rejects_bad_arguments(change, match):
     q, cache, slots, scale = _paged_case(3, 2, 128, 32, 8, fp8=False)
     args = change({"q": q, "kv_cache": cache, "topk_slots": slots, "softmax_scale": scale, "kv_lora_rank": 128})
@@ -183,3 +253,33 @@ def test_sparse_mla_glm52_padded_topk_gpu():
     # Short contexts (early prefill, short requests): K = 2048 rows with only 300 valid slots.
     q, cache, slots, scale = _paged_case(64, 64, 512, 64, 2048, fp8=True, context=300, device="cuda", seed=53)
     _check_against_twin(q, cache, slots, scale, 512)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
+@pytest.mark.parametrize("T,num_splits", [(64, None), (64, 5), (256, None), (1, None), (8, 16)],
+                         ids=["decode64-auto", "decode64-5", "verify256-auto", "decode1-auto", "decode8-16"])
+def test_sparse_mla_split_k_glm52_decode(T, num_splits, fp8):
+    # Decode / verify batch sizes at GLM geometry, with the default split choice (2 for 64 tokens on
+    # an H200, 64 for one token) and forced ones.
+    q, cache, slots, scale = _paged_case(T, 64, 512, 64, 2048, fp8=fp8, context=4096, device="cuda", seed=54 + T)
+    _check_against_twin(q, cache, slots, scale, 512, num_splits=num_splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
+def test_sparse_mla_split_k_glm52_empty_trailing_splits(fp8):
+    # 300 valid slots of 2048, padding at the end (the indexer's order): with 8 splits of 256 slots,
+    # split 0 is full, split 1 holds 44 valid slots and splits 2-7 none.
+    q, cache, slots, scale = _paged_case(64, 64, 512, 64, 2048, fp8=fp8, context=300, device="cuda", seed=55)
+    _check_against_twin(q, cache, _pad_at_end(slots), scale, 512, num_splits=8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
+@pytest.mark.parametrize("block_n,num_stages", [(64, 2), (64, 3), (32, 5), (32, 7), (16, 9)])
+def test_sparse_mla_pipeline_configs_glm52(block_n, num_stages, fp8):
+    # The tile / pipeline-depth candidates of benchmarks/tune_sparse_mla.py: deeper pipelines keep
+    # several gathered tiles in flight, which must not change the result.
+    q, cache, slots, scale = _paged_case(64, 64, 512, 64, 2048, fp8=fp8, context=4096, device="cuda", seed=56)
+    _check_against_twin(q, cache, slots, scale, 512, block_n=block_n, num_stages=num_stages, num_splits=1)

@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 from megactx.kernels.common import INTERPRET, check_device
-from megactx.kernels.reference import BLOCK_SIZE, chunked_topk, topk_rows
+from megactx.kernels.reference import BLOCK_SIZE, chunked_topk
+from megactx.kernels.topk import topk_rows
 from megactx.model.quant import FP8
 
 
@@ -188,7 +189,8 @@ def indexer_topk_chunked(q: torch.Tensor, w: torch.Tensor, index_cache: torch.Te
                          key_len_host: torch.Tensor | None = None) -> torch.Tensor:
     """Top-k keys of each query row as physical slots [T, k] int32 (block_id · 64 + offset), -1 where
     the row has fewer than k visible keys; chunk_tokens rows at a time so the logits buffer stays
-    [chunk_tokens, longest key range of the chunk]. Arguments as in `indexer_logits` and
+    [chunk_tokens, longest key range of the chunk], each chunk's rows cut to k by the Triton
+    selection of `megactx.kernels.topk`. Arguments as in `indexer_logits` and
     `reference.chunked_topk` (the twin is `reference.indexer_topk_chunked`)."""
     return chunked_topk(indexer_logits, topk_rows, q, w, index_cache, block_table, seq_idx, key_len, k,
                         chunk_tokens, key_len_host)

@@ -51,11 +51,13 @@ def _to_bf16(x):
 
 
 @triton.jit
-def _to_cache(x, ptr):
-    """x -> the element type of an exact cache (bf16 rounded to nearest even, or fp32)."""
-    if ptr.dtype.element_ty == tl.bfloat16:
-        return _to_bf16(x)
-    return x.to(tl.float32)
+def _to_cache(x, BF16: tl.constexpr):
+    """x -> the element type of an exact cache: bf16 (rounded to nearest even) or fp32."""
+    if BF16:
+        y = _to_bf16(x)
+    else:
+        y = x.to(tl.float32)
+    return y
 
 
 @triton.jit
@@ -82,6 +84,7 @@ def _write_kv_kernel(
     R: tl.constexpr, DR: tl.constexpr, DI: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DI: tl.constexpr,
     FP8: tl.constexpr, HAS_INDEX: tl.constexpr, INDEX_FP8: tl.constexpr,
+    KV_BF16: tl.constexpr, INDEX_BF16: tl.constexpr,
     BLOCK: tl.constexpr, GROUP: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
@@ -112,8 +115,8 @@ def _write_kv_kernel(
         row = kv_ptr + slot * (R + DR)
         d = tl.arange(0, BLOCK_R)
         x = tl.load(c_ptr + tok * stride_cn + d * stride_cd, mask=d < R, other=0.0)
-        tl.store(row + d, _to_cache(x, kv_ptr), mask=d < R)
-        tl.store(row + R + d_pe, _to_cache(pe, kv_ptr), mask=d_pe < DR)
+        tl.store(row + d, _to_cache(x, KV_BF16), mask=d < R)
+        tl.store(row + R + d_pe, _to_cache(pe, KV_BF16), mask=d_pe < DR)
 
     # --- indexer cache: a block is 64 keys of DI e4m3 bytes, then their 64 fp32 scales
     if HAS_INDEX:
@@ -126,7 +129,7 @@ def _write_kv_kernel(
             tl.store(block_base + offset * DI + di, values, mask=di < DI)
             tl.store((block_base + BLOCK * DI).to(tl.pointer_type(tl.float32)) + offset + tl.arange(0, 1), scale)
         else:  # exact keys: [num_blocks, 64 * DI] of the cache's float dtype, a key every DI values
-            tl.store(idx_ptr + slot * DI + di, _to_cache(k, idx_ptr), mask=di < DI)
+            tl.store(idx_ptr + slot * DI + di, _to_cache(k, INDEX_BF16), mask=di < DI)
 
 
 # ------------------------------------------------------------------------------ wrapper
@@ -216,5 +219,8 @@ def write_kv(c: torch.Tensor, k_pe: torch.Tensor, slots: torch.Tensor, kv_cache:
         BLOCK_R=triton.next_power_of_2(r), BLOCK_DR=triton.next_power_of_2(dr),
         BLOCK_DI=triton.next_power_of_2(max(DI, 1)),
         FP8=fp8, HAS_INDEX=index_k is not None,
-        INDEX_FP8=index_cache is not None and index_cache.dtype == torch.uint8, BLOCK=BLOCK_SIZE, GROUP=SCALE_GROUP,
+        INDEX_FP8=index_cache is not None and index_cache.dtype == torch.uint8,
+        KV_BF16=kv_cache.dtype == torch.bfloat16,
+        INDEX_BF16=index_cache is not None and index_cache.dtype == torch.bfloat16,
+        BLOCK=BLOCK_SIZE, GROUP=SCALE_GROUP,
     )

@@ -1,0 +1,222 @@
+"""Time and tune the Triton top-k (megactx.kernels.topk.topk_rows) against torch.topk on a GPU.
+
+    python3 benchmarks/tune_topk.py            # every case, a one-knob-at-a-time sweep around the defaults
+    python3 benchmarks/tune_topk.py --quick    # defaults only
+    python3 benchmarks/tune_topk.py --cases decode prefill --no-logits
+
+Cases (k = 2048): decode 64 x 1M, the last 4096-row chunk of a causal 64K prefill, 1024 x 128K and
+256 x 1M, on i.i.d. normal logits (-inf beyond each row's key_len, as the indexer writes them). Each
+line: ms (triton.testing.do_bench, L2 flushed between repetitions), GB/s = visible logits bytes
+(read once) / time, next to the device copy bandwidth measured in the same run, the speed-up over
+torch.topk, and whether the selected values equal torch.topk's. Per case it also times the default
+config in a CUDA graph (no launch overhead) and on ties (integer logits: 1000 levels settle ties in
+the candidate buffer; 10 levels overflow it, so the slow fallback runs), and once, the indexer
+logits of the prefill case alone and followed by the top-k (the target: top-k within 0.5x of the
+logits). Prints a table; this is a tuning tool, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench, do_bench_cudagraph
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from megactx.kernels.topk import TopkConfig, TopkPlan, topk_rows  # noqa: E402
+
+K = 2048
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    T: int
+    L: int
+    causal: bool  # key_len = L - T + 1 .. L (the last chunk of a causal prefill); else all L
+
+    def inputs(self, gen: torch.Generator, levels: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """i.i.d. normal logits, or integers in [0, levels) (ties) when levels > 0."""
+        shape = (self.T, self.L)
+        if levels:
+            logits = torch.randint(0, levels, shape, generator=gen, device="cuda").float()
+        else:
+            logits = torch.randn(shape, generator=gen, device="cuda")
+        if not self.causal:
+            return logits, None
+        key_len = torch.arange(self.L - self.T + 1, self.L + 1, device="cuda", dtype=torch.int32)
+        cols = torch.arange(self.L, device="cuda")
+        logits.masked_fill_(cols[None, :] >= key_len[:, None], float("-inf"))
+        return logits, key_len
+
+    def visible_bytes(self) -> int:
+        rows = self.T * self.L - (self.T * (self.T - 1) // 2 if self.causal else 0)
+        return rows * 4
+
+
+CASES = {
+    "decode": Case("decode 64 x 1M", 64, 1 << 20, False),
+    "prefill": Case("prefill 4096 x 64K causal", 4096, 1 << 16, True),
+    "mid": Case("1024 x 128K", 1024, 1 << 17, False),
+    "long": Case("256 x 1M", 256, 1 << 20, False),
+}
+
+
+def sweep(plan: TopkPlan) -> list[TopkConfig]:
+    """The default config, then one knob at a time around it (the knobs of the plan the case takes)."""
+    base = TopkConfig()
+    out = [base]
+    variants = {
+        "num_warps": [4, 8, 16],
+        "block": [4096, 8192, 16384],
+        "max_tile": [4096, 8192, 16384, 32768],
+        "sub_block": [512, 1024, 2048],
+        "groups": [4096, 8192, 16384],
+        "tile_pivots": [1, 2, 4],
+        "candidates": [4096, 8192],
+    }
+    current = {"num_warps": plan.num_warps, "block": plan.block, "max_tile": plan.rows * plan.seg_groups,
+               "sub_block": plan.sub_block, "groups": plan.groups, "tile_pivots": base.tile_pivots,
+               "candidates": plan.cap}
+    for knob, values in variants.items():
+        out += [dataclasses.replace(base, **{knob: v}) for v in values if v != current[knob]]
+    splits = (plan.split // 2, plan.split * 2) if plan.split > 1 else (2, 4)  # fused: against the split plan
+    out += [dataclasses.replace(base, programs_per_row=p) for p in splits if p >= 2]
+    return out
+
+
+def describe(plan: TopkPlan) -> str:
+    kind = "fused" if plan.split == 1 else f"split x{plan.split}"
+    return (f"{kind:9s} warps={plan.num_warps:<2d} block={plan.block:<5d} sub={plan.sub_block:<4d} "
+            f"tile={plan.rows * plan.seg_groups:<5d} groups={plan.groups:<5d} cand={plan.cap}")
+
+
+def values_match(logits: torch.Tensor, got: torch.Tensor, rows: int = 64) -> bool:
+    """The multiset of selected values equals torch.topk's (on the first `rows` rows)."""
+    x, sel = logits[:rows], got[:rows].long()
+    vals = x.gather(1, sel.clamp_min(0)).masked_fill(sel < 0, float("-inf"))
+    return torch.equal(vals.sort(-1, descending=True).values, x.topk(got.shape[1], dim=-1).values)
+
+
+def time_ms(fn) -> float:
+    return do_bench(fn, warmup=25, rep=100)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy of 1 GiB: bytes read + written / time, GB/s."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / time_ms(lambda: dst.copy_(src)) / 1e6
+
+
+def run_case(case: Case, quick: bool, ceiling: float) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    time_configs(case, *case.inputs(gen), quick, ceiling)
+    # 1000 levels: ties straddle the threshold inside the buffer; 10: the top level alone has more
+    # copies than the buffer holds, so the fallback over the row runs (the slow path's cost).
+    for levels in (1000, 10):
+        time_ties(case, levels, *case.inputs(gen, levels))
+
+
+def time_configs(case: Case, logits: torch.Tensor, key_len: torch.Tensor | None, quick: bool, ceiling: float) -> None:
+    gb = case.visible_bytes() / 1e9
+    t_torch = time_ms(lambda: torch.topk(logits, K, dim=-1))
+    print(f"\n== {case.name}: {case.visible_bytes() / MiB:.0f} MiB visible logits; torch.topk {t_torch:.3f} ms "
+          f"({gb / t_torch * 1e3:.0f} GB/s); copy ceiling {ceiling:.0f} GB/s")
+    print(f"{'plan':78s} {'ms':>8s} {'GB/s':>6s} {'vs torch':>8s}  values")
+    out = torch.empty(case.T, K, dtype=torch.int32, device="cuda")
+    results = []
+    default_plan = TopkPlan.make(case.T, case.L, K, TopkConfig(), logits.device)
+    for cfg in [TopkConfig()] if quick else sweep(default_plan):
+        try:
+            plan = TopkPlan.make(case.T, case.L, K, cfg, logits.device)
+            topk_rows(logits, K, key_len, out, config=cfg)
+            ok = values_match(logits, out)
+            ms = time_ms(lambda cfg=cfg: topk_rows(logits, K, key_len, out, config=cfg))
+        except Exception as e:  # a config the compiler or the device refuses: report it, keep sweeping
+            print(f"{str(cfg):78.78s} failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
+            continue
+        results.append((ms, plan, cfg))
+        print(f"{describe(plan) + ' pivots=' + str(cfg.tile_pivots):78s} {ms:8.3f} {gb / ms * 1e3:6.0f} "
+              f"{t_torch / ms:7.1f}x  {'ok' if ok else 'WRONG'}", flush=True)
+    if results:
+        ms, plan, cfg = min(results, key=lambda r: r[0])
+        print(f"best: {ms:.3f} ms ({gb / ms * 1e3:.0f} GB/s, {t_torch / ms:.1f}x torch.topk): {cfg}")
+    # Launch overhead (4 kernels in the split plan) off the clock, as in the engine's decode graphs.
+    try:
+        graphed = do_bench_cudagraph(lambda: topk_rows(logits, K, key_len, out))
+        print(f"default config in a CUDA graph: {graphed:.3f} ms ({gb / graphed * 1e3:.0f} GB/s)")
+    except Exception as e:  # a capture failure is a finding (a host sync crept in): report it
+        print(f"default config in a CUDA graph: FAILED {type(e).__name__}: {str(e).splitlines()[0][:100]}")
+
+
+def time_ties(case: Case, levels: int, logits: torch.Tensor, key_len: torch.Tensor | None) -> None:
+    out = torch.empty(case.T, K, dtype=torch.int32, device="cuda")
+    t_ties = time_ms(lambda: topk_rows(logits, K, key_len, out))
+    t_torch = time_ms(lambda: torch.topk(logits, K, dim=-1))
+    print(f"ties (integer logits in [0, {levels})): {t_ties:.3f} ms, torch.topk {t_torch:.3f} ms, values "
+          f"{'ok' if values_match(logits, out) else 'WRONG'}")
+
+
+def logits_then_topk(ceiling: float) -> None:
+    """The indexer logits of the prefill case (GLM-5.2 geometry: 32 heads x 128, FP8) alone, then
+    followed by topk_rows and by torch.topk."""
+    import inputs  # benchmarks/inputs.py, beside this file
+
+    from megactx.kernels.indexer import indexer_logits
+    from megactx.model.quant import FP8
+
+    case = CASES["prefill"]
+    T, L, HI, DI = case.T, case.L, 32, 128
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    blocks = inputs.num_blocks(L)
+    cache = inputs.random_index_cache(blocks, DI, gen)
+    table = inputs.block_table(1, blocks, blocks, gen)
+    q = torch.randn(T, HI, DI, generator=gen, device="cuda").to(FP8)
+    w = torch.randn(T, HI, generator=gen, device="cuda") * (HI * DI) ** -0.5
+    seq = torch.zeros(T, dtype=torch.int32, device="cuda")
+    key_len = torch.arange(L - T + 1, L + 1, device="cuda", dtype=torch.int32)
+    logits = indexer_logits(q, w, cache, table, seq, key_len, L)
+    out = torch.empty(T, K, dtype=torch.int32, device="cuda")
+    t_logits = time_ms(lambda: indexer_logits(q, w, cache, table, seq, key_len, L))
+    t_topk = time_ms(lambda: topk_rows(logits, K, key_len, out))
+    ok = values_match(logits, out)
+    t_both = time_ms(lambda: topk_rows(indexer_logits(q, w, cache, table, seq, key_len, L), K, key_len, out))
+    t_torch = time_ms(lambda: torch.topk(logits, K, dim=-1))
+    print(f"\n== indexer logits + top-k, {case.name}, HI={HI} DI={DI}: logits {t_logits:.3f} ms; topk_rows on them "
+          f"{t_topk:.3f} ms (values {'ok' if ok else 'WRONG'}); both {t_both:.3f} ms = {t_both / t_logits:.2f}x the "
+          f"logits (target <= 1.5x); with torch.topk {(t_logits + t_torch) / t_logits:.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="time the default config only")
+    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
+    parser.add_argument("--no-logits", action="store_true", help="skip the indexer logits + top-k comparison")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("tune_topk.py times CUDA kernels: no CUDA device here")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, k = {K}")
+    start = time.time()
+    ceiling = copy_bandwidth()
+    for name in args.cases:
+        run_case(CASES[name], args.quick, ceiling)
+        torch.cuda.empty_cache()
+        print(f"({time.time() - start:.0f} s so far)", flush=True)
+    if not args.no_logits:
+        try:
+            logits_then_topk(ceiling)
+        except Exception as e:  # an optional section: its inputs come from other modules
+            print(f"indexer logits + top-k skipped: {type(e).__name__}: {e}")
+
+
+if __name__ == "__main__":
+    main()

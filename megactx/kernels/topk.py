@@ -1,0 +1,562 @@
+"""Exact top-k of long rows (the DSA indexer's top-k) in Triton; twin: `reference.topk_rows`.
+
+A row of L fp32 logits (L up to ~1M) gives the positions of its k largest values (k ~ 2048). The
+work is a few reads of the row, so the aim is to read it as few times as possible and to keep the
+arithmetic per element small enough that the reads stay the bottleneck.
+
+Algorithm, per row (fp32 values are compared as order-preserving int32 keys, see `_key`):
+
+1. Group maxima. The row is read once for the maxima of its M >= k groups, group g being every
+   position p with p mod M = g. The k-th largest group maximum is a lower bound tau of the row's
+   k-th largest value (the k groups whose maxima are >= tau hold k distinct elements >= tau); it is
+   found on the M maxima alone, by a bitwise search on the top bits of their keys. Strided groups
+   keep it tight whatever the row's shape, because any w neighbouring positions fall in min(w, M)
+   groups: with M = 4 k, ~1.15 k elements are >= tau on i.i.d. rows, and 1.0-1.3 k on rows that
+   trend, are smooth or blocky, sorted, or hold their top-k in one local window.
+2. Collect. The row is read again; the elements >= tau (positions and keys) are appended to a
+   per-row candidate buffer of `candidates` entries.
+3. Select. The buffer is loaded into registers and the exact k-th largest key theta is found by
+   narrowing an interval of keys [lo, hi] with counts (`count(key >= pivot)`); elements > theta and
+   enough elements == theta are written out, the rest of the row's k slots get -1.
+
+Rows of at most `candidates` keys skip 1 and 2 (the row itself is the buffer). When the buffer
+overflows (heavy ties, or an adversarial order of values), the row falls back to narrowing over the
+row itself in one program: exact, but it reads the row ~8 more times.
+
+Two launch plans, one set of steps: many rows (prefill chunks) run one fused program per row, which
+also lets the second read hit L2; few long rows (decode) split each row over S programs for steps 1
+and 2 (program s owns groups s·M/S .. (s+1)·M/S - 1, writing their maxima to a scratch, and
+collects every S-th tile into the buffer through a per-row atomic counter), with the threshold and
+the selection as small per-row kernels in between. No step reads device data on the host, so the
+whole call can be captured in a CUDA graph.
+
+Ties at the threshold go to the lowest positions, so the selected set is deterministic; the order
+of positions within a row is not (the split plan appends candidates in whatever order the programs
+run). NaN logits are not supported (a NaN is ordered by its bits: +NaN above +inf, -NaN below -inf).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import torch
+import triton
+import triton.language as tl
+
+from megactx.kernels.common import INTERPRET, check_device
+
+# Key of -inf: masked-off and invisible elements load as -inf and are never selected.
+NEG_KEY = tl.constexpr(-2139095041)  # (0xFF800000 ^ 0x7FFFFFFF) as int32
+INT32_MAX = tl.constexpr(2**31 - 1)
+
+
+# ------------------------------------------------------------------------------ building blocks
+@triton.jit
+def _key(x):
+    """fp32 -> int32 key with the same order (-0.0 sorts just below +0.0): non-negative floats keep
+    their bits, negative floats flip their 31 low bits so that larger magnitudes sort lower."""
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
+def _row_len(key_len_ptr, t, L, HAS_KEY_LEN: tl.constexpr):
+    """Candidates of row t: key_len[t] clamped to [0, L] (all L without key_len)."""
+    if HAS_KEY_LEN:
+        n = tl.minimum(tl.maximum(tl.load(key_len_ptr + t), 0), L).to(tl.int32)
+    else:
+        n = tl.zeros([], tl.int32) + L  # a tensor even when Triton specializes L == 1
+    return n
+
+
+@triton.jit
+def _full_steps(n, first, stride, extent):
+    """How many steps i of a strided walk over row[:n] (step i covers first + i·stride up to
+    first + i·stride + extent) lie wholly below n. Those load without a mask: a mask against an
+    arbitrary row length would stop Triton from vectorizing the loads. At most one more step
+    (starting below n) is partial, since stride >= extent."""
+    return tl.maximum(n - first - extent + stride, 0) // stride
+
+
+@triton.jit
+def _group_maxima(row_ptr, n, first, M: tl.constexpr, ROWS: tl.constexpr, G: tl.constexpr):
+    """Maxima of the G groups first .. first + G - 1 (mod M) of row[:n] -> keys [G] int32 (-inf's
+    where a group is empty). A step loads ROWS chunks of G neighbours, M apart: [ROWS, G]."""
+    chunk = tl.arange(0, ROWS)[:, None] * M + tl.arange(0, G)[None, :]
+    m = tl.full([ROWS, G], float("-inf"), tl.float32)
+    full = _full_steps(n, first, ROWS * M, (ROWS - 1) * M + G)
+    for i in range(0, full):
+        m = tl.maximum(m, tl.load(row_ptr + first + i * (ROWS * M) + chunk))
+    pos = first + full * (ROWS * M) + chunk
+    if first + full * (ROWS * M) < n:
+        m = tl.maximum(m, tl.load(row_ptr + pos, mask=pos < n, other=float("-inf")))
+    return _key(tl.max(m, axis=0))
+
+
+@triton.jit
+def _lower_bound(gkeys, k, PREFIX_BITS: tl.constexpr):
+    """Largest key whose low 32 - PREFIX_BITS bits are 0 with at least k of gkeys >= it: a lower bound
+    of the k-th largest of gkeys (within 2^-(PREFIX_BITS - 9) of it, relatively). Never below the key
+    just above -inf, so -inf is never a candidate; with fewer than k finite gkeys every finite
+    element passes."""
+    # The search runs on p = key + 2^31 (the keys as unsigned, same order) in a scalar int64; the
+    # comparisons stay in int32 so that the [GROUPS] tile does not double in registers.
+    p = tl.zeros([], tl.int64)
+    for b in tl.static_range(PREFIX_BITS):
+        cand = p + (tl.full([], 1, tl.int64) << (31 - b))
+        enough = tl.sum((gkeys >= (cand + (-2147483648)).to(tl.int32)).to(tl.int32)) >= k
+        p = tl.where(enough, cand, p)
+    return tl.maximum((p + (-2147483648)).to(tl.int32), NEG_KEY + 1)
+
+
+@triton.jit
+def _load_keys(row_ptr, pos, end, MASKED: tl.constexpr):
+    """Keys of row[pos] (-inf's key at pos >= end when MASKED; unmasked loads vectorize)."""
+    if MASKED:
+        x = tl.load(row_ptr + pos, mask=pos < end, other=float("-inf"))
+    else:
+        x = tl.load(row_ptr + pos)
+    return _key(x)
+
+
+@triton.jit
+def _collect_tile(row_ptr, s0, end, tau, buf_key_ptr, buf_idx_ptr, counter_ptr, count, cap,
+                  BLOCK: tl.constexpr, SUB: tl.constexpr, MASKED: tl.constexpr, ATOMIC: tl.constexpr):
+    """Append the keys >= tau of row[s0:s0 + BLOCK] (and their positions) to the buffer, the first
+    `cap` of the row's; count: candidates this program appended before -> count after.
+
+    A light pass over the whole tile only counts; the positions (a scan, and scattered stores with
+    a 64-bit address each) are worked out SUB elements at a time, re-reading the tile from L1, so
+    that the registers a program holds, and so the loads in flight per multiprocessor, are set by
+    the light pass: only ~0.1-1% of the elements are candidates."""
+    c = tl.sum((_load_keys(row_ptr, s0 + tl.arange(0, BLOCK), end, MASKED) >= tau).to(tl.int32))
+    if c > 0:
+        if ATOMIC:
+            base = tl.atomic_add(counter_ptr, c, sem="relaxed")  # one reservation for the tile
+        else:
+            base = count
+        sub = tl.arange(0, SUB)
+        for j in range(0, BLOCK, SUB):
+            pos = s0 + j + sub
+            keys = _load_keys(row_ptr, pos, end, MASKED)
+            take = (keys >= tau).to(tl.int32)
+            cj = tl.sum(take)
+            if cj > 0:
+                slot = base + tl.cumsum(take, 0) - take
+                keep = (take > 0) & (slot < cap)
+                tl.store(buf_key_ptr + slot, keys, mask=keep)
+                tl.store(buf_idx_ptr + slot, pos, mask=keep)
+            base += cj
+    return count + c
+
+
+@triton.jit
+def _collect(row_ptr, n, first, stride, tau, buf_key_ptr, buf_idx_ptr, counter_ptr, cap,
+             BLOCK: tl.constexpr, SUB: tl.constexpr, ATOMIC: tl.constexpr):
+    """Append the elements with key >= tau of the tiles row[first + i·stride:][:BLOCK] (clipped to n)
+    to the buffer -> how many there were (all of them, also past `cap`). ATOMIC: several programs
+    share the buffer and reserve space through counter_ptr; else this program owns it and appends
+    in position order."""
+    count = tl.zeros([], tl.int32)
+    full = _full_steps(n, first, stride, BLOCK)
+    for i in range(0, full):
+        count = _collect_tile(row_ptr, first + i * stride, n, tau, buf_key_ptr, buf_idx_ptr, counter_ptr, count,
+                              cap, BLOCK, SUB, False, ATOMIC)
+    if first + full * stride < n:
+        count = _collect_tile(row_ptr, first + full * stride, n, tau, buf_key_ptr, buf_idx_ptr, counter_ptr, count,
+                              cap, BLOCK, SUB, True, ATOMIC)
+    return count
+
+
+@triton.jit
+def _pivots(lo, hi, PIVOTS: tl.constexpr):
+    """PIVOTS keys spread over (lo, hi] (lo < hi), ascending."""
+    j = tl.arange(1, PIVOTS + 1).to(tl.int64)
+    width = hi.to(tl.int64) - lo.to(tl.int64)
+    return (lo.to(tl.int64) + (width * j + PIVOTS) // (PIVOTS + 1)).to(tl.int32)
+
+
+@triton.jit
+def _count_ge(keys, piv, PIVOTS: tl.constexpr):
+    """keys [N], piv [PIVOTS] -> [PIVOTS] int32: how many keys are >= each pivot. Pivots go on the
+    slow axis of the comparison: along lanes (the layout Triton picks for [N, P]) every thread
+    would hold copies of its neighbours' keys."""
+    if PIVOTS == 1:
+        return tl.zeros([1], tl.int32) + tl.sum((keys >= tl.max(piv)).to(tl.int32))
+    return tl.sum((keys[None, :] >= piv[:, None]).to(tl.int32), axis=1)
+
+
+@triton.jit
+def _narrow(lo, hi, c_lo, c_above, piv, cnt, k):
+    """One narrowing step. Invariant: count(key >= lo) = c_lo >= k > c_above = count(key > hi), so the
+    k-th largest key theta is in [lo, hi]; cnt[j] = count(key >= piv[j])."""
+    ok = cnt >= k
+    new_lo = tl.max(tl.where(ok, piv, lo))
+    c_lo = tl.min(tl.where(ok, cnt, c_lo))  # counts fall as pivots rise: the one at new_lo
+    hi = tl.min(tl.where(ok, hi, piv - 1))
+    c_above = tl.max(tl.where(ok, c_above, cnt))
+    return new_lo, hi, c_lo, c_above
+
+
+@triton.jit
+def _pad(out_ptr, written, k, BLOCK: tl.constexpr):
+    """out[written:k] = -1."""
+    offs = tl.arange(0, BLOCK)
+    for s0 in range(written - written % BLOCK, k, BLOCK):
+        pos = s0 + offs
+        tl.store(out_ptr + pos, -1, mask=(pos >= written) & (pos < k))
+
+
+@triton.jit
+def _select_tile(keys, idx, out_ptr, k, PIVOTS: tl.constexpr, BLOCK_OUT: tl.constexpr):
+    """Exact top-k of one register tile of candidates: keys [N] int32 (NEG_KEY = none), idx [N]
+    their positions. Writes the k (or all, if fewer) selected positions to out[0:k], -1 after."""
+    finite = keys > NEG_KEY
+    count = tl.sum(finite.to(tl.int32))
+    theta = tl.full([], NEG_KEY, tl.int32)  # with <= k candidates every finite key is selected
+    last_tie = tl.full([], INT32_MAX, tl.int32)
+    if count > k:
+        lo = tl.min(tl.where(finite, keys, INT32_MAX))
+        hi = tl.max(keys)
+        c_lo = count
+        c_above = tl.zeros([], tl.int32)
+        while lo < hi:
+            piv = _pivots(lo, hi, PIVOTS)
+            lo, hi, c_lo, c_above = _narrow(lo, hi, c_lo, c_above, piv, _count_ge(keys, piv, PIVOTS), k)
+        theta = lo
+        need = k - c_above  # of the c_lo - c_above keys equal to theta
+        if c_lo - c_above > need:
+            # Ties straddle k: keep the `need` lowest positions, found by bisecting on the position.
+            tie = keys == theta
+            first = tl.min(tl.where(tie, idx, INT32_MAX))
+            last_tie = tl.max(tl.where(tie, idx, -1))
+            while first < last_tie:
+                mid = first + (last_tie - first) // 2
+                if tl.sum((tie & (idx <= mid)).to(tl.int32)) >= need:
+                    last_tie = mid
+                else:
+                    first = mid + 1
+    take = (finite & ((keys > theta) | ((keys == theta) & (idx <= last_tie)))).to(tl.int32)
+    slot = tl.cumsum(take, 0) - take
+    tl.store(out_ptr + slot, idx, mask=take > 0)
+    _pad(out_ptr, tl.sum(take), k, BLOCK_OUT)
+
+
+@triton.jit
+def _select_stream(row_ptr, n, tau, kmax, count, out_ptr, k, BLOCK: tl.constexpr, PIVOTS: tl.constexpr,
+                   COUNT_BLOCK: tl.constexpr):
+    """Exact top-k of row[0:n] when its candidates overflowed the buffer: count(key >= tau) = count
+    > k, no key above kmax. Narrows [tau, kmax] with PIVOTS counts per read of the row (COUNT_BLOCK
+    elements a step, so that the [COUNT_BLOCK, PIVOTS] comparison fits in registers), then writes
+    elements > theta and the lowest-positioned ties in one more read."""
+    lo = tau
+    hi = kmax
+    c_lo = count
+    c_above = tl.zeros([], tl.int32)
+    sub = tl.arange(0, COUNT_BLOCK)
+    while lo < hi:
+        piv = _pivots(lo, hi, PIVOTS)
+        cnt = tl.zeros([PIVOTS], tl.int32)
+        for s0 in range(0, n, COUNT_BLOCK):
+            keys = _key(tl.load(row_ptr + s0 + sub, mask=s0 + sub < n, other=float("-inf")))
+            cnt += _count_ge(keys, piv, PIVOTS)
+        lo, hi, c_lo, c_above = _narrow(lo, hi, c_lo, c_above, piv, cnt, k)
+    need = k - c_above
+    offs = tl.arange(0, BLOCK)
+    written = tl.zeros([], tl.int32)
+    ties = tl.zeros([], tl.int32)
+    for s0 in range(0, n, BLOCK):
+        pos = s0 + offs
+        keys = _key(tl.load(row_ptr + pos, mask=pos < n, other=float("-inf")))
+        tie = (keys == lo).to(tl.int32)
+        rank = ties + tl.cumsum(tie, 0) - tie  # ties met so far, in position order
+        take = ((keys > lo) | ((tie > 0) & (rank < need))).to(tl.int32)
+        slot = written + tl.cumsum(take, 0) - take
+        tl.store(out_ptr + slot, pos, mask=take > 0)
+        written += tl.sum(take)
+        ties += tl.sum(tie)
+    _pad(out_ptr, written, k, BLOCK)
+
+
+@triton.jit
+def _select_row(row_ptr, n, buf_key_ptr, buf_idx_ptr, count, tau, kmax, out_ptr, k, cap,
+                CAP_PAD: tl.constexpr, BLOCK: tl.constexpr, TILE_PIVOTS: tl.constexpr, ROW_PIVOTS: tl.constexpr,
+                COUNT_BLOCK: tl.constexpr):
+    """Step 3 for one row: from the row itself (n <= cap), the buffer (count <= cap), or the fallback."""
+    offs = tl.arange(0, CAP_PAD)
+    if n <= cap:
+        keys = _key(tl.load(row_ptr + offs, mask=offs < n, other=float("-inf")))
+        _select_tile(keys, offs, out_ptr, k, TILE_PIVOTS, BLOCK)
+    elif count <= cap:
+        ok = offs < count
+        keys = tl.load(buf_key_ptr + offs, mask=ok, other=NEG_KEY)
+        idx = tl.load(buf_idx_ptr + offs, mask=ok, other=0)
+        _select_tile(keys, idx, out_ptr, k, TILE_PIVOTS, BLOCK)
+    else:
+        _select_stream(row_ptr, n, tau, kmax, count, out_ptr, k, BLOCK, ROW_PIVOTS, COUNT_BLOCK)
+
+
+# ------------------------------------------------------------------------------ kernels
+@triton.jit
+def _topk_fused_kernel(logits_ptr, key_len_ptr, out_ptr, buf_key_ptr, buf_idx_ptr,
+                       L, stride_t, stride_o, k, cap,
+                       HAS_KEY_LEN: tl.constexpr, ROWS: tl.constexpr, GROUPS: tl.constexpr, BLOCK: tl.constexpr,
+                       SUB: tl.constexpr, CAP_PAD: tl.constexpr, PREFIX_BITS: tl.constexpr, TILE_PIVOTS: tl.constexpr,
+                       ROW_PIVOTS: tl.constexpr, COUNT_BLOCK: tl.constexpr):
+    """One program per row: group maxima, threshold, collect, select."""
+    t = tl.program_id(0).to(tl.int64)
+    n = _row_len(key_len_ptr, t, L, HAS_KEY_LEN)
+    row = logits_ptr + t * stride_t
+    buf_key = buf_key_ptr + t * cap
+    buf_idx = buf_idx_ptr + t * cap
+    tau = tl.full([], NEG_KEY + 1, tl.int32)
+    kmax = tl.full([], NEG_KEY, tl.int32)
+    count = tl.zeros([], tl.int32)
+    if n > cap:
+        gkeys = _group_maxima(row, n, 0, GROUPS, ROWS, GROUPS)
+        tau = _lower_bound(gkeys, k, PREFIX_BITS)
+        kmax = tl.max(gkeys)
+        count = _collect(row, n, 0, BLOCK, tau, buf_key, buf_idx, buf_key, cap, BLOCK, SUB, False)
+    _select_row(row, n, buf_key, buf_idx, count, tau, kmax, out_ptr + t * stride_o, k, cap,
+                CAP_PAD, BLOCK, TILE_PIVOTS, ROW_PIVOTS, COUNT_BLOCK)
+
+
+# The split plan: per-row state [T, 4] int32 = (tau, kmax, candidate count, unused).
+@triton.jit
+def _group_max_kernel(logits_ptr, key_len_ptr, maxima_ptr, L, stride_t, cap,
+                      HAS_KEY_LEN: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr, G: tl.constexpr):
+    """Program (t, s): the maxima of groups s·G .. (s+1)·G - 1 of row t -> maxima[t, s·G:]."""
+    t = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    n = _row_len(key_len_ptr, t, L, HAS_KEY_LEN)
+    if n > cap:  # shorter rows are selected directly
+        gkeys = _group_maxima(logits_ptr + t * stride_t, n, s * G, M, ROWS, G)
+        tl.store(maxima_ptr + t * M + s * G + tl.arange(0, G), gkeys)
+
+
+@triton.jit
+def _threshold_kernel(key_len_ptr, maxima_ptr, state_ptr, L, k, cap,
+                      HAS_KEY_LEN: tl.constexpr, M: tl.constexpr, PREFIX_BITS: tl.constexpr):
+    """Program t: tau and kmax of row t from its M group maxima; zero its candidate counter."""
+    t = tl.program_id(0).to(tl.int64)
+    n = _row_len(key_len_ptr, t, L, HAS_KEY_LEN)
+    tau = tl.full([], NEG_KEY + 1, tl.int32)
+    kmax = tl.full([], NEG_KEY, tl.int32)
+    if n > cap:
+        gkeys = tl.load(maxima_ptr + t * M + tl.arange(0, M))
+        tau = _lower_bound(gkeys, k, PREFIX_BITS)
+        kmax = tl.max(gkeys)
+    state = state_ptr + t * 4
+    tl.store(state, tau)
+    tl.store(state + 1, kmax)
+    tl.store(state + 2, 0)
+
+
+@triton.jit
+def _collect_kernel(logits_ptr, key_len_ptr, state_ptr, buf_key_ptr, buf_idx_ptr, L, stride_t, cap,
+                    HAS_KEY_LEN: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr):
+    """Program (t, s): append the candidates of tiles s, s + S, s + 2 S, ... of row t to its buffer
+    (interleaved, so that the programs of a causal row's share stay even)."""
+    t = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    n = _row_len(key_len_ptr, t, L, HAS_KEY_LEN)
+    if n > cap:
+        state = state_ptr + t * 4
+        _collect(logits_ptr + t * stride_t, n, s * BLOCK, tl.num_programs(1) * BLOCK, tl.load(state),
+                 buf_key_ptr + t * cap, buf_idx_ptr + t * cap, state + 2, cap, BLOCK, SUB, True)
+
+
+@triton.jit
+def _select_kernel(logits_ptr, key_len_ptr, state_ptr, buf_key_ptr, buf_idx_ptr, out_ptr,
+                   L, stride_t, stride_o, k, cap,
+                   HAS_KEY_LEN: tl.constexpr, CAP_PAD: tl.constexpr, BLOCK: tl.constexpr,
+                   TILE_PIVOTS: tl.constexpr, ROW_PIVOTS: tl.constexpr, COUNT_BLOCK: tl.constexpr):
+    """Program t: step 3 for row t."""
+    t = tl.program_id(0).to(tl.int64)
+    n = _row_len(key_len_ptr, t, L, HAS_KEY_LEN)
+    state = state_ptr + t * 4
+    _select_row(logits_ptr + t * stride_t, n, buf_key_ptr + t * cap, buf_idx_ptr + t * cap,
+                tl.load(state + 2), tl.load(state), tl.load(state + 1), out_ptr + t * stride_o, k, cap,
+                CAP_PAD, BLOCK, TILE_PIVOTS, ROW_PIVOTS, COUNT_BLOCK)
+
+
+# ------------------------------------------------------------------------------ host side
+@dataclass(frozen=True)
+class TopkConfig:
+    """Tuning knobs of `topk_rows` (benchmarks/tune_topk.py sweeps them). Sizes are in elements and
+    powers of two; None = the default of the launch plan the call takes (`FUSED`, `SPLIT`).
+
+    block: tile of a streaming pass that collects candidates (its light, counting part).
+    sub_block: tile of the heavy part (scan and scattered stores) of the collect pass.
+    max_tile: elements a step of the group-maxima pass loads (at least the program's groups).
+        Streaming loads are not pipelined by Triton, so a step's size sets the bytes in flight.
+    num_warps: warps a program.
+    candidates: candidate buffer entries per row (>= k; the select step holds them in registers);
+        None = max(512, 2 k rounded up to a power of two). Rows with at most this many keys skip the
+        first two steps.
+    groups: group maxima per row behind the first threshold (>= k); more make it tighter (fewer
+        candidates) at the cost of a longer search. None = 4 k, in [1024, 16384].
+    programs_per_row: 1 = the fused plan, > 1 = the split plan with that many programs a row;
+        None = about 4 programs a multiprocessor, each on at least `MIN_SEGMENT` elements.
+    tile_pivots / row_pivots: counts per narrowing step in the select step, for the register tile and
+        for the overflow fallback over the row (a step narrows the key range by pivots + 1).
+        tile_pivots None = 1 on a GPU (a step is cheap there; more pivots cost registers) and
+        INTERPRETER_TILE_PIVOTS under the interpreter, which pays per operation rather than per
+        element (32 one-pivot steps a row made the CPU tests of the whole model crawl)."""
+
+    block: int | None = None
+    sub_block: int | None = None
+    max_tile: int | None = None
+    num_warps: int | None = None
+    candidates: int | None = None
+    groups: int | None = None
+    programs_per_row: int | None = None
+    tile_pivots: int | None = None
+    row_pivots: int = 16
+    INTERPRETER_TILE_PIVOTS = 64
+
+    # The fused plan holds the select step's register tile in the same kernel as the streaming
+    # passes: at these sizes it takes <= 128 registers a thread, so two programs share a
+    # multiprocessor (one's selection overlaps the other's loads) with 64 KB of loads in flight
+    # between them (Triton 3.6, sm_90). The split plan's streaming kernels take ~56 registers and
+    # run four programs a multiprocessor. Timed on an H200 (benchmarks/tune_topk.py, k = 2048):
+    # fused sub_block 2048 beat 512 by 1.3x (4096 x 64K causal: 1.84 vs 2.40 ms; 1024 x 128K: 0.91
+    # vs 1.19 ms); split with 4 warps beat 8 by 1.3x (64 x 1M: 0.33 vs 0.43 ms; 256 x 1M: 1.16 vs
+    # 1.59 ms) — 2.6x faster than torch.topk.
+    FUSED = MappingProxyType(dict(block=4096, sub_block=2048, max_tile=8192, num_warps=8))
+    SPLIT = MappingProxyType(dict(block=4096, sub_block=512, max_tile=4096, num_warps=4))
+    PROGRAMS_PER_SM = 4
+    MIN_SEGMENT = 16384  # elements a program of the split plan, at the least
+    PREFIX_BITS = 16  # of the first threshold: 7 mantissa bits, within 1% of the k-th group maximum
+    MAX_GROUPS = 16384  # the threshold step holds them in registers
+    MAX_K = 8192  # 2 k candidates in registers: clean up to k = 4096, spilling (slower) beyond (sm_90)
+    CPU_SMS = 4  # multiprocessors assumed under the interpreter
+    MIN_COUNT_BLOCK = 256  # elements a step of the fallback's counts, at the least
+
+
+def _pow2(name: str, value: int) -> int:
+    if value < 1 or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class TopkPlan:
+    """Launch geometry of a call, from (T, L, k) and a TopkConfig: `TopkPlan.make(...)` tells which
+    plan and sizes `topk_rows` would use (the benchmark prints it)."""
+
+    cap: int
+    cap_pad: int
+    groups: int
+    split: int  # programs a row in the streaming passes; 1 = the fused plan
+    seg_groups: int  # group maxima a program
+    rows: int  # chunks of seg_groups elements a step of the group-maxima pass loads
+    block: int
+    sub_block: int
+    count_block: int  # elements a step of the fallback's counts
+    num_warps: int
+
+    @staticmethod
+    def make(T: int, L: int, k: int, cfg: TopkConfig, device: torch.device) -> TopkPlan:
+        if k > cfg.MAX_K:
+            raise ValueError(f"k = {k} is above {cfg.MAX_K}, the most this kernel selects (its select step holds "
+                             "2 k candidates in registers); use torch.topk (megactx.kernels.reference.topk_rows)")
+        cap = cfg.candidates if cfg.candidates is not None else max(512, triton.next_power_of_2(2 * k))
+        if cap < k:
+            raise ValueError(f"candidates must be at least k = {k}, got {cap}")
+        groups = cfg.groups if cfg.groups is not None else min(max(1024, triton.next_power_of_2(4 * k)), cfg.MAX_GROUPS)
+        if _pow2("groups", groups) < k or groups > cfg.MAX_GROUPS:
+            raise ValueError(f"groups must be in [k, {cfg.MAX_GROUPS}] = [{k}, {cfg.MAX_GROUPS}], got {groups}")
+        if cfg.programs_per_row is not None:
+            split = _pow2("programs_per_row", cfg.programs_per_row)
+        elif device.type == "cuda":
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            split = triton.next_power_of_2(triton.cdiv(cfg.PROGRAMS_PER_SM * sms, T))
+        else:
+            split = triton.next_power_of_2(triton.cdiv(cfg.PROGRAMS_PER_SM * cfg.CPU_SMS, T))
+        if cfg.programs_per_row is None:
+            most = max(1, L // cfg.MIN_SEGMENT)
+            split = min(split, 1 << (most.bit_length() - 1))
+        if L <= cap:
+            split = 1  # every row is selected directly: nothing to split
+        split = min(split, groups)  # at least one group maximum a program
+        knobs = {**(cfg.FUSED if split == 1 else cfg.SPLIT),
+                 **{name: getattr(cfg, name) for name in ("block", "sub_block", "max_tile", "num_warps")
+                    if getattr(cfg, name) is not None}}
+        for name in ("block", "sub_block", "max_tile", "tile_pivots", "row_pivots"):
+            if knobs.get(name, getattr(cfg, name)) is not None:
+                _pow2(name, knobs.get(name, getattr(cfg, name)))
+        block, sub_block = knobs["block"], min(knobs["sub_block"], knobs["block"])
+        seg_groups = groups // split
+        return TopkPlan(cap=cap, cap_pad=triton.next_power_of_2(cap), groups=groups, split=split, seg_groups=seg_groups,
+                        rows=max(1, knobs["max_tile"] // seg_groups), block=block, sub_block=sub_block,
+                        count_block=max(cfg.MIN_COUNT_BLOCK, block // cfg.row_pivots), num_warps=knobs["num_warps"])
+
+
+def topk_rows(logits: torch.Tensor, k: int, key_len: torch.Tensor | None = None, out: torch.Tensor | None = None,
+              *, config: TopkConfig | None = None) -> torch.Tensor:
+    """Exact top-k positions of every row (twin: reference.topk_rows).
+
+    logits: [T, L] fp32, any row stride, last dim contiguous; -inf = not a candidate, NaN not
+    allowed. key_len: [T] int32/int64 or None; only the first key_len[t] entries of row t are
+    candidates (None = all L; clamped to [0, L]). out: optional [T, k] int32 to write into (last dim
+    contiguous). Returns out: [T, k] int32 positions of the k largest candidates of each row, in no
+    particular order; a row with fewer than k finite candidates lists them all and then -1s.
+    The selected values are those of torch.topk; among values equal to the k-th largest, the lowest
+    positions are taken. No host syncs (CUDA-graph capturable). Scratch per call: ~2·candidates
+    int32 a row (plus `groups` a row when rows are split over programs)."""
+    if logits.dim() != 2 or logits.dtype != torch.float32:
+        raise ValueError(f"logits must be a 2-D float32 tensor [T, L], got {logits.dtype} {tuple(logits.shape)}")
+    if logits.stride(1) != 1 and logits.shape[1] > 1:
+        raise ValueError("logits' last dim must be contiguous (a row stride is fine); pass logits.contiguous()")
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    T, L = logits.shape
+    if L >= 2**31:
+        raise ValueError(f"rows of {L} keys do not fit int32 positions")
+    if key_len is not None and (key_len.shape != (T,) or key_len.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"key_len must be int32/int64 [{T}], got {key_len.dtype} {tuple(key_len.shape)}")
+    if out is None:
+        out = torch.empty(T, k, dtype=torch.int32, device=logits.device)
+    elif out.shape != (T, k) or out.dtype != torch.int32 or (k > 1 and out.stride(1) != 1):
+        raise ValueError(f"out must be int32 [{T}, {k}] with a contiguous last dim, got {out.dtype} "
+                         f"{tuple(out.shape)} strides {out.stride()}")
+    check_device(logits, out, *(() if key_len is None else (key_len,)))
+    if T == 0 or k == 0:
+        return out
+
+    cfg = config or TopkConfig()
+    plan = TopkPlan.make(T, L, k, cfg, logits.device)
+    has_key_len = key_len is not None
+    key_len = key_len.contiguous() if has_key_len else out  # unread without HAS_KEY_LEN
+    buffer_rows = T if L > plan.cap else 1  # rows of <= cap keys never touch the buffer
+    buf_key = torch.empty(buffer_rows, plan.cap, dtype=torch.int32, device=logits.device)
+    buf_idx = torch.empty_like(buf_key)
+    common = dict(HAS_KEY_LEN=has_key_len, num_warps=plan.num_warps)
+    tile_pivots = cfg.tile_pivots or (cfg.INTERPRETER_TILE_PIVOTS if INTERPRET else 1)
+    select = dict(CAP_PAD=plan.cap_pad, BLOCK=plan.block, TILE_PIVOTS=tile_pivots, ROW_PIVOTS=cfg.row_pivots,
+                  COUNT_BLOCK=plan.count_block)
+
+    if plan.split == 1:
+        _topk_fused_kernel[(T,)](
+            logits, key_len, out, buf_key, buf_idx, L, logits.stride(0), out.stride(0), k, plan.cap,
+            ROWS=plan.rows, GROUPS=plan.groups, SUB=plan.sub_block, PREFIX_BITS=cfg.PREFIX_BITS, **select, **common)
+        return out
+
+    maxima = torch.empty(T, plan.groups, dtype=torch.int32, device=logits.device)
+    state = torch.empty(T, 4, dtype=torch.int32, device=logits.device)
+    _group_max_kernel[(T, plan.split)](
+        logits, key_len, maxima, L, logits.stride(0), plan.cap,
+        M=plan.groups, ROWS=plan.rows, G=plan.seg_groups, **common)
+    _threshold_kernel[(T,)](key_len, maxima, state, L, k, plan.cap, M=plan.groups,
+                            PREFIX_BITS=cfg.PREFIX_BITS, **common)
+    _collect_kernel[(T, plan.split)](
+        logits, key_len, state, buf_key, buf_idx, L, logits.stride(0), plan.cap,
+        BLOCK=plan.block, SUB=plan.sub_block, **common)
+    _select_kernel[(T,)](logits, key_len, state, buf_key, buf_idx, out, L, logits.stride(0), out.stride(0),
+                         k, plan.cap, **select, **common)
+    return out
+
+
+__all__ = ["TopkConfig", "TopkPlan", "topk_rows"]
