@@ -13,6 +13,8 @@ from megactx import __version__
 def build_parser() -> argparse.ArgumentParser:
     from megactx.analysis.flops import add_flops_parser
     from megactx.demo import add_demo_parser
+    from megactx.generate import add_generate_parser
+    from megactx.serve import add_serve_parser
 
     parser = argparse.ArgumentParser(
         prog="megactx",
@@ -20,6 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"megactx {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    add_generate_parser(sub)
+    add_serve_parser(sub)
     add_demo_parser(sub)
     add_flops_parser(sub)
     add_bench_parser(sub)
@@ -29,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
 # `megactx bench SUITE`: each suite is the module benchmarks.<SUITE>, which defines HELP, a module
 # docstring (the --help text), add_arguments(parser) and run(args) -> exit code. `engine` and
 # `spec` plug in by adding their names here.
-BENCH_SUITES = ("kernels",)
+BENCH_SUITES = ("kernels", "engine")
 
 
 def add_bench_parser(subparsers: Any) -> None:

@@ -97,6 +97,7 @@ class EngineStats:
     generation_tokens: int = 0
     steps: int = 0
     preemptions: int = 0
+    # latency samples since the last clear(): the server drains them into its histograms each step
     time_to_first_token: list[float] = field(default_factory=list)  # seconds, per request
     inter_token_latency: list[float] = field(default_factory=list)  # seconds, per generated token
 
@@ -124,7 +125,8 @@ class LLM:
     device / dtype: default CUDA + bf16 when available, else CPU + fp32. backend: "triton" on CUDA,
     "torch" (the kernels' twins) on a CPU. kv_cache_dtype: "auto" (= dtype), "bf16", "fp8";
     index_cache_dtype: the indexer cache, "fp8" on CUDA by default (what production runs), "auto"
-    (exact) on a CPU. num_speculative_tokens > 0 arrives with speculative decoding.
+    (exact) on a CPU. cuda_graphs: replay CUDA graphs for decode steps (CUDA only).
+    num_speculative_tokens > 0 arrives with speculative decoding.
     """
 
     def __init__(self, model: str | Path | Transformer, *, tokenizer: str | Path | None = None,
@@ -132,7 +134,8 @@ class LLM:
                  kv_cache_dtype: str = "auto", index_cache_dtype: str | None = None, max_model_len: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 8192, gpu_memory_utilization: float = 0.9,
                  cpu_cache_bytes: int = 4 << 30, num_blocks: int | None = None, enable_prefix_caching: bool = True,
-                 chunked_prefill: bool = True, num_speculative_tokens: int = 0, seed: int = 0):
+                 chunked_prefill: bool = True, cuda_graphs: bool = True, num_speculative_tokens: int = 0,
+                 seed: int = 0):
         if num_speculative_tokens:
             raise NotImplementedError("speculative decoding (num_speculative_tokens > 0) is not implemented yet")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -163,7 +166,8 @@ class LLM:
                                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                          gpu_memory_utilization=gpu_memory_utilization,
                                          cpu_cache_bytes=cpu_cache_bytes, backend=self.backend)
-        self.runner = ModelRunner(self.model, CacheConfig(kv_dtype, index_dtype, num_blocks), self.backend)
+        self.runner = ModelRunner(self.model, CacheConfig(kv_dtype, index_dtype, num_blocks), self.backend,
+                                  max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, cuda_graphs=cuda_graphs)
         self.block_manager = BlockManager(num_blocks, enable_prefix_caching=enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
                                                    max_num_batched_tokens=max_num_batched_tokens,

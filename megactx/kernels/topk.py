@@ -318,6 +318,9 @@ def _topk_fused_kernel(logits_ptr, key_len_ptr, out_ptr, buf_key_ptr, buf_idx_pt
         tau = _lower_bound(gkeys, k, PREFIX_BITS)
         kmax = tl.max(gkeys)
         count = _collect(row, n, 0, BLOCK, tau, buf_key, buf_idx, buf_key, cap, BLOCK, SUB, False)
+    # The select step reads back buffer entries other warps of this program stored: without a
+    # barrier some reads saw stale memory (a few rows in a thousand went wrong on an H200).
+    tl.debug_barrier()
     _select_row(row, n, buf_key, buf_idx, count, tau, kmax, out_ptr + t * stride_o, k, cap,
                 CAP_PAD, BLOCK, TILE_PIVOTS, ROW_PIVOTS, COUNT_BLOCK)
 

@@ -67,10 +67,14 @@ class Rotary:
 
     def __init__(self, cfg: ModelConfig):
         self.inv_freq, self.scale = rope_inv_freq(cfg)
+        self._on_device: dict[torch.device, torch.Tensor] = {}  # no host-to-device copy a call (CUDA graphs)
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [..., S] int -> cos, sin: [..., S, rope_dim / 2] in `dtype`
-        freqs = positions[..., None].float() * self.inv_freq.to(positions.device)
+        inv_freq = self._on_device.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._on_device[positions.device] = self.inv_freq.to(positions.device)
+        freqs = positions[..., None].float() * inv_freq
         return (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
 
 

@@ -68,13 +68,30 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, D, I))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x: [N, D], weights/ids: [N, top_k] -> [N, D]. Loops over the experts that got tokens."""
+        """x: [N, D], weights/ids: [N, top_k] -> [N, D]. Loops over the experts that got tokens.
+
+        Under CUDA-graph capture the loop cannot ask which experts got tokens (a host sync), so
+        every expert runs on every token with zero weight where unrouted: E / top_k times the
+        FLOPs, fine for small models' decode steps, not for GLM-5-size expert counts."""
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self._forward_dense(x, weights, ids)
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():
             token, slot = (ids == e).nonzero(as_tuple=True)
             gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, self.down_proj[e])
             out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
+        return out
+
+
+    def _forward_dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        dense = torch.zeros(x.shape[0], self.gate_up_proj.shape[0], dtype=torch.float32, device=x.device)
+        dense.scatter_(1, ids, weights.float())  # [N, E] routing weight, 0 where not routed
+        out = torch.zeros_like(x)
+        for e in range(self.gate_up_proj.shape[0]):
+            gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e])
+            out += (y * dense[:, e, None]).to(out.dtype)
         return out
 
 

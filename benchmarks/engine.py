@@ -1,0 +1,882 @@
+"""`megactx bench engine`: the whole engine on one checkpoint — offline throughput and latency at
+several batch sizes against Hugging Face transformers' `generate` on the same device in the same
+run, and an online run through `megactx serve` with many concurrent HTTP clients.
+
+Offline: for each batch size B, B prompts of P random token ids each generate exactly M tokens
+(greedy, ignore_eos) with `LLM.generate`: one untimed warm-up run of the same shape (on a CPU, 2
+tokens long), then 3 timed runs (--reps), each on prompts of its own. Figures: the median run's
+wall time and output tokens/s (B·M / wall); TTFT (arrival to first token, per request) and ITL (gap
+between a request's successive tokens) at p50 / p99 over all timed runs.
+
+Peer: transformers' own model class loads the same checkpoint directory (AutoModelForCausalLM,
+bf16 on a GPU, fp32 on a CPU) and runs `generate` on the same prompts as one batch (equal lengths:
+no padding), greedy, max_new_tokens = min_new_tokens = M. A streamer stamps every decoding step,
+giving its TTFT and ITL. The JSON also says how many requests got the same tokens from both.
+
+Online: `python -m megactx serve --model PATH --host 127.0.0.1 --port P [--serve-arg ...]` runs as
+a subprocess; after /health answers, C client threads send R streaming /v1/completions requests in
+all (token-id prompts of length P, max_tokens M, temperature 0, ignore_eos), after one untimed
+warm-up round of C requests. The server is started with the offline engine's --device,
+--max-model-len (P + M) and --max-num-seqs. Figures: requests/s, output tokens/s, request latency
+and TTFT (first streamed chunk) at p50 / p99. Server overhead = 1 − online tokens/s ÷ offline
+tokens/s at batch C.
+
+Targets (the issue's): megactx >= 10x transformers' output tokens/s at batch 64 on a GPU; server
+overhead <= 10%.
+
+Default sizes:
+
+    device      batches     P    M    clients C  requests R
+    GPU         1, 16, 64   128  128  64         256
+    GPU --quick 1, 16       128  32   16         64
+    CPU         1, 16, 64   32   16   16         32
+    CPU --quick 1, 16       16   8    16         16
+
+A CPU run uses one torch thread in every part, the server included: the tiny model's ops gain
+nothing from more, and OpenMP threads waiting for a core on a busy machine cost up to 10x
+(--threads changes it).
+
+Without --model there is no trained model yet: a random tiny checkpoint is made and cached (see
+`megactx generate --help`); the figures measure the engine, not the quality of the text. Results:
+benchmarks/results/engine-<device>.json, .md, .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import http.client
+import json
+import math
+import os
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import Progress, device_slug, fmt_num, fmt_time, machine_info, md_table, write_json
+
+HELP = "engine throughput, TTFT and ITL at batch 1/16/64 against transformers, and online through megactx serve"
+SCHEMA = "megactx-bench-engine/1"
+RESULTS_DIR = Path(__file__).parent / "results"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# Targets of the issue (benchmark figures, not tests).
+TARGET_SPEEDUP = 10.0  # megactx output tokens/s >= 10x transformers' ...
+TARGET_SPEEDUP_BATCH = 64  # ... at this batch, on a GPU
+MAX_SERVER_OVERHEAD = 0.10  # online tokens/s within 10% of offline at the same concurrency
+HEALTH_POLL_S = 0.5
+SERVER_STOP_S = 30.0  # after SIGTERM, then SIGKILL
+LOG_TAIL_CHARS = 1500  # of the server's output, in the reason of a failed online run
+MEGACTX, TRANSFORMERS, SERVE = "megactx", "transformers", "megactx serve"
+
+
+# ------------------------------------------------------------------------------ settings
+@dataclass
+class Settings:
+    """Sizes of a run (see the module docstring for the defaults by device)."""
+
+    device: str = "cuda"
+    batches: list[int] = field(default_factory=lambda: [1, 16, 64])
+    prompt_len: int = 128  # P, tokens of every prompt
+    output_len: int = 128  # M, tokens every request generates
+    # tokens of the untimed warm-up runs: on a GPU the whole length, so that every kernel the timed
+    # run needs (Triton specialises on sizes) is compiled before it; on a CPU a short run suffices
+    warmup_len: int = 128
+    reps: int = 3  # timed runs of every batch (other prompts each); the figure is the median run's
+    concurrency: int = 64  # C, online clients in flight
+    requests: int = 256  # R, online requests in all
+    seed: int = 0
+    # torch intra-op threads in every part (None: torch's default). A CPU run uses 1: the tiny
+    # model's ops are too small to gain from more, OpenMP teams spinning on a busy machine cost up
+    # to 10x, and the server's engine runs in a thread of its own, so the parts compare only at a
+    # fixed count.
+    threads: int | None = None
+    peer: bool = True
+    online: bool = True
+    serve_args: list[str] = field(default_factory=list)
+    port: int | None = None  # None: a free port
+    server_timeout_s: float = 600.0  # model load + first compiles before /health answers
+    request_timeout_s: float = 600.0
+
+    @classmethod
+    def defaults(cls, device: str, quick: bool) -> Settings:
+        if device == "cuda":
+            return cls(device, [1, 16], 128, 32, concurrency=16, requests=64) if quick else cls(device)
+        if quick:
+            return cls(device, [1, 16], 16, 8, warmup_len=2, concurrency=16, requests=16, threads=1,
+                       server_timeout_s=300)
+        return cls(device, [1, 16, 64], 32, 16, warmup_len=2, concurrency=16, requests=32, threads=1,
+                   server_timeout_s=300)
+
+    def check(self) -> None:
+        """ValueError naming the flag of a bad size."""
+        if not self.batches or any(b < 1 for b in self.batches):
+            raise ValueError(f"--batches must be positive batch sizes, e.g. 1,16,64; got {self.batches}")
+        for flag, value in (("--prompt-len", self.prompt_len), ("--output-len", self.output_len),
+                            ("--concurrency", self.concurrency), ("--requests", self.requests),
+                            ("--threads", 1 if self.threads is None else self.threads), ("--reps", self.reps)):
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        self.warmup_len = min(self.warmup_len, self.output_len)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.device == "cuda" else torch.float32
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"dtype": str(self.dtype).removeprefix("torch.")}
+
+
+# ------------------------------------------------------------------------------ figures
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100), linear between the two nearest ranks (numpy's default)."""
+    if not values:
+        raise ValueError("percentile of no values")
+    if not 0 <= q <= 100:
+        raise ValueError(f"q must be in [0, 100], got {q}")
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summarize(values: Sequence[float]) -> dict[str, float] | None:
+    """p50, p99, mean and count of seconds; None for no values."""
+    if not values:
+        return None
+    return {"p50": percentile(values, 50), "p99": percentile(values, 99), "mean": sum(values) / len(values),
+            "n": len(values)}
+
+
+@dataclass
+class RunFigures:
+    """One timed run. batch: requests in flight at once (an offline batch, or the online clients);
+    latencies in seconds as `summarize` dicts (None where the run cannot tell)."""
+
+    engine: str  # MEGACTX | TRANSFORMERS | SERVE
+    batch: int
+    requests: int
+    prompt_len: int
+    output_len: int
+    output_tokens: int  # generated in all
+    wall_s: float
+    ttft_s: dict[str, float] | None
+    itl_s: dict[str, float] | None
+    latency_s: dict[str, float] | None  # arrival to last token, per request
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.requests / self.wall_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"tokens_per_s": self.tokens_per_s, "requests_per_s": self.requests_per_s}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RunFigures:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def random_prompts(n: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """n prompts of `length` token ids drawn uniformly from the vocabulary."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (n, length), generator=gen).tolist()
+
+
+def _prompt_seed(s: Settings, batch: int, run: int) -> int:
+    """The seed of the prompts of one run (0 = the warm-up, 1.. the timed ones) at one batch size:
+    every run gets prompts of its own, so none finds its prompt in the prefix cache, and both
+    engines get the same prompts for the same (batch, run). (A tuple of ints hashes the same in
+    every process.)"""
+    return hash((s.seed, batch, run)) & (2**63 - 1)
+
+
+# ------------------------------------------------------------------------------ offline: megactx
+def _timed_figures(engine: str, batch: int, s: Settings, walls: list[float], tokens: int, ttft: list[float],
+                   itl: list[float], latency: list[float], detail: dict[str, Any]) -> RunFigures:
+    """Figures of `s.reps` timed runs of one batch: the median run's wall time and tokens, the
+    latencies of every run pooled."""
+    if tokens != batch * s.output_len * len(walls):  # ignore_eos: only the length ends a request
+        raise RuntimeError(f"{engine} generated {tokens} tokens in {len(walls)} runs of {batch} requests, "
+                           f"asked for {s.output_len} a request")
+    return RunFigures(engine, batch, batch, s.prompt_len, s.output_len, batch * s.output_len,
+                      statistics.median(walls), summarize(ttft), summarize(itl), summarize(latency),
+                      detail | {"walls_s": walls})
+
+
+def run_megactx(llm, s: Settings, batch: int) -> tuple[RunFigures, list[list[int]]]:
+    """One warm-up and `s.reps` timed `llm.generate` calls of `batch` prompts; the figures and the
+    tokens of the first timed run."""
+    from megactx import SamplingParams
+
+    vocab = llm.cfg.vocab_size
+    warm = SamplingParams(temperature=0.0, max_tokens=s.warmup_len, ignore_eos=True)
+    llm.generate(random_prompts(batch, s.prompt_len, vocab, _prompt_seed(s, batch, 0)), warm, use_tqdm=False)
+    params = SamplingParams(temperature=0.0, max_tokens=s.output_len, ignore_eos=True)
+    walls, ttft, latency, tokens, first = [], [], [], 0, None
+    itl_from, steps_from = len(llm.stats.inter_token_latency), llm.stats.steps
+    for run in range(1, s.reps + 1):
+        prompts = random_prompts(batch, s.prompt_len, vocab, _prompt_seed(s, batch, run))
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        walls.append(time.perf_counter() - start)
+        first = first or [o.token_ids for o in outs]
+        tokens += sum(len(o.token_ids) for o in outs)
+        ttft += [o.first_token_time - o.arrival_time for o in outs]
+        latency += [o.finish_time - o.arrival_time for o in outs]
+    itl = llm.stats.inter_token_latency[itl_from:]
+    steps = (llm.stats.steps - steps_from) // s.reps
+    return _timed_figures(MEGACTX, batch, s, walls, tokens, ttft, itl, latency, {"steps": steps}), first
+
+
+def offline_engine(path: Path, s: Settings):
+    """The engine for the offline runs: room for the largest batch of P + M tokens a request."""
+    from megactx import LLM
+
+    return LLM(path, device=s.device, dtype=s.dtype, max_model_len=s.prompt_len + s.output_len,
+               max_num_seqs=max(s.batches), seed=s.seed)
+
+
+# ------------------------------------------------------------------------------ offline: transformers
+class _StepStamps:
+    """A transformers streamer that notes the host time of every `put`: the prompt first, then
+    each decoding step's tokens (transformers syncs with the device every step to check for the
+    end, so these are the times tokens exist on the host)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def load_transformers(path: Path, s: Settings):
+    """transformers' model class for the checkpoint, on the bench device in the bench dtype."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()  # its load report lists the MTP layer it does not use
+    transformers.logging.disable_progress_bar()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=s.dtype)
+    return model.to(s.device).eval()
+
+
+@torch.inference_mode()
+def run_transformers(model, s: Settings, batch: int, vocab_size: int,
+                     reference: list[list[int]] | None = None) -> RunFigures:
+    """One warm-up and one timed greedy `generate` of `batch` prompts (the same prompts as
+    `run_megactx` for this batch); `reference`: megactx's tokens, to count the requests that agree."""
+    from transformers.generation.streamers import BaseStreamer
+
+    class Stamps(_StepStamps, BaseStreamer):
+        pass
+
+    pad = model.config.pad_token_id
+    if pad is None:
+        eos = model.config.eos_token_id
+        pad = eos[0] if isinstance(eos, list) else eos
+
+    def generate(prompts: list[list[int]], new_tokens: int, streamer=None) -> torch.Tensor:
+        ids = torch.tensor(prompts, device=s.device)
+        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                              max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad,
+                              streamer=streamer)
+
+    generate(random_prompts(batch, s.prompt_len, vocab_size, _prompt_seed(s, batch, 0)), s.warmup_len)
+    walls, ttft, itl, tokens, detail = [], [], [], 0, {}
+    for run in range(1, s.reps + 1):
+        prompts = random_prompts(batch, s.prompt_len, vocab_size, _prompt_seed(s, batch, run))
+        _sync(s.device)
+        stamps = Stamps()
+        start = time.perf_counter()
+        out = generate(prompts, s.output_len, stamps)
+        _sync(s.device)
+        walls.append(time.perf_counter() - start)
+        new = out[:, s.prompt_len:].tolist()
+        tokens += sum(map(len, new))
+        steps = stamps.times[1:]  # times[0]: the prompt, before the prefill
+        # every request of the batch gets its tokens at the same steps
+        ttft += [steps[0] - start] * batch
+        itl += [b - a for a, b in zip(steps, steps[1:])] * batch
+        if run == 1:
+            detail["steps"] = len(steps)
+            if reference is not None:
+                detail["same_tokens_as_megactx"] = sum(a == b for a, b in zip(new, reference))
+                detail["same_first_token_as_megactx"] = sum(a[:1] == b[:1] for a, b in zip(new, reference))
+    # a request's latency is its batch's wall time
+    latency = [w for w in walls for _ in range(batch)]
+    return _timed_figures(TRANSFORMERS, batch, s, walls, tokens, ttft, itl, latency, detail)
+
+
+def _sync(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _free(device: str) -> None:
+    """Give the device memory of dropped engines back (the next phase, or the server, needs it)."""
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------ online
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class ServeProcess:
+    """`python -m megactx serve` as a child process, up from `start()` (after /health answers) to
+    `stop()` (SIGTERM, then SIGKILL). Its output goes to a log file whose tail explains a failure."""
+
+    def __init__(self, model: Path, s: Settings, host: str = "127.0.0.1"):
+        self.host, self.port = host, s.port or free_port(host)
+        # the engine configured as the offline one (device, context, batch room); --serve-arg comes
+        # last, so it can override any of these
+        self.command = [sys.executable, "-m", "megactx", "serve", "--model", str(model), "--host", host,
+                        "--port", str(self.port), "--device", s.device, "--max-model-len",
+                        str(s.prompt_len + s.output_len), "--max-num-seqs", str(max(s.concurrency, *s.batches)),
+                        *s.serve_args]
+        self.timeout_s = s.server_timeout_s
+        self.env = dict(os.environ)
+        self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+        if s.threads:
+            self.env["OMP_NUM_THREADS"] = str(s.threads)  # every thread of the server, its engine's too
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="megactx-serve-", suffix=".log", delete=False)
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        """Start the server and wait for /health; RuntimeError with the log's tail if it does not come up."""
+        self.proc = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
+                                     cwd=REPO_ROOT, start_new_session=True)
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"`{shlex.join(self.command[1:])}` exited with code {self.proc.returncode}: "
+                                   f"{self.log_tail()}")
+            try:
+                status, _ = self.get("/health")
+                if status == 200:
+                    return
+            except OSError:
+                pass  # not listening yet
+            time.sleep(HEALTH_POLL_S)
+        raise RuntimeError(f"megactx serve did not answer /health within {self.timeout_s:.0f} s: {self.log_tail()}")
+
+    def get(self, path: str) -> tuple[int, bytes]:
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=10)
+        try:
+            conn.request("GET", path)
+            resp = conn.getresponse()
+            return resp.status, resp.read()
+        finally:
+            conn.close()
+
+    def model_name(self, default: str) -> str:
+        """The first model id of /v1/models (what requests must name), else `default`."""
+        try:
+            status, body = self.get("/v1/models")
+            if status == 200:
+                return json.loads(body)["data"][0]["id"]
+        except (OSError, ValueError, KeyError, IndexError):
+            pass
+        return default
+
+    def log_tail(self) -> str:
+        self.log.flush()
+        text = Path(self.log.name).read_text(errors="replace").strip()
+        return ("…" + text[-LOG_TAIL_CHARS:]) if len(text) > LOG_TAIL_CHARS else (text or "(no output)")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(SERVER_STOP_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        Path(self.log.name).unlink(missing_ok=True)
+
+    def __enter__(self) -> ServeProcess:
+        try:
+            self.start()
+        except BaseException:  # a server that never answered may still be running: stop it
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+@dataclass
+class RequestResult:
+    """One streamed completion, host seconds from sending it."""
+
+    ttft_s: float | None  # to the first chunk with a choice
+    latency_s: float  # to the end of the stream
+    completion_tokens: int | None  # from the final usage chunk, None without one
+    chunks: int
+
+
+def post_completion(host: str, port: int, body: dict[str, Any], timeout_s: float) -> RequestResult:
+    """POST a streaming /v1/completions request and read its server-sent events to `data: [DONE]`.
+    RuntimeError on an HTTP error or an error event, with the server's words. (The standard
+    library's client: a benchmark should not need another dependency to talk to the server.)"""
+    conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+    try:
+        start = time.perf_counter()
+        conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status} from /v1/completions: {resp.read()[:500].decode(errors='replace')}")
+        first, tokens, chunks = None, None, 0
+        for raw in resp:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue  # blank separators, comments, keep-alives
+            data = line[len(b"data:"):].strip()
+            if data == b"[DONE]":
+                break
+            event = json.loads(data)
+            if "error" in event:
+                raise RuntimeError(f"error event from /v1/completions: {event['error']}")
+            if event.get("choices"):
+                chunks += 1
+                if first is None:
+                    first = time.perf_counter() - start
+            if event.get("usage"):
+                tokens = event["usage"].get("completion_tokens")
+        return RequestResult(first, time.perf_counter() - start, tokens, chunks)
+    finally:
+        conn.close()
+
+
+def client_round(host: str, port: int, bodies: Sequence[dict[str, Any]], concurrency: int,
+                 timeout_s: float) -> tuple[list[RequestResult], float]:
+    """Send every body with `concurrency` clients, each sending its next request when its last one
+    ends. Returns the results (in body order) and the wall time of the round."""
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        results = list(pool.map(lambda b: post_completion(host, port, b, timeout_s), bodies))
+    return results, time.perf_counter() - start
+
+
+def completion_bodies(model: str, prompts: list[list[int]], max_tokens: int) -> list[dict[str, Any]]:
+    """OpenAI /v1/completions bodies: token-id prompts, greedy, exactly max_tokens (ignore_eos is
+    the vLLM extension), streamed with a final usage chunk."""
+    return [{"model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+             "stream": True, "stream_options": {"include_usage": True}} for p in prompts]
+
+
+def online_figures(results: list[RequestResult], wall_s: float, s: Settings) -> RunFigures:
+    counted = [r.completion_tokens for r in results]
+    exact = all(t is not None for t in counted)
+    # without usage chunks, count max_tokens a request: ignore_eos makes every request that long
+    tokens = sum(counted) if exact else s.output_len * len(results)
+    ttft = [r.ttft_s for r in results if r.ttft_s is not None]
+    return RunFigures(SERVE, s.concurrency, len(results), s.prompt_len, s.output_len, tokens, wall_s,
+                      summarize(ttft), None, summarize([r.latency_s for r in results]),
+                      {"tokens_counted_from": "usage" if exact else "max_tokens",
+                       "chunks": sum(r.chunks for r in results)})
+
+
+def run_online(path: Path, s: Settings, vocab_size: int, log: Callable[[str], object]) -> RunFigures:
+    """Start the server, run one warm-up round and one timed round of clients, stop the server."""
+    with ServeProcess(path, s) as server:
+        log(f"megactx serve is up on port {server.port}")
+        model = server.model_name(default=str(path))
+        # batch 0 in the seed: prompts of their own, none the offline runs used
+        warm = random_prompts(s.concurrency, s.prompt_len, vocab_size, _prompt_seed(s, 0, 0))
+        client_round(server.host, server.port, completion_bodies(model, warm, s.warmup_len), s.concurrency,
+                     s.request_timeout_s)
+        prompts = random_prompts(s.requests, s.prompt_len, vocab_size, _prompt_seed(s, 0, 1))
+        results, wall = client_round(server.host, server.port, completion_bodies(model, prompts, s.output_len),
+                                     s.concurrency, s.request_timeout_s)
+    return online_figures(results, wall, s)
+
+
+# ------------------------------------------------------------------------------ the run
+class EngineBench:
+    """The three parts in order (megactx offline, transformers, online); each part frees the device
+    before the next, and `after_part` gets the results so far (to write them as they come)."""
+
+    def __init__(self, path: Path, random_weights: bool, s: Settings, progress: Progress | None = None):
+        from megactx import ModelConfig
+
+        self.path, self.s = path, s
+        self.cfg = ModelConfig.from_pretrained(path)
+        self.progress = progress or Progress()
+        self.results: dict[str, Any] = {
+            "schema": SCHEMA, "machine": machine_info(s.device), "settings": s.to_dict(),
+            "model": {"path": str(path), "random_weights": random_weights, "model_type": self.cfg.model_type,
+                      "layers": self.cfg.num_hidden_layers, "hidden_size": self.cfg.hidden_size,
+                      "vocab_size": self.cfg.vocab_size},
+            "offline": [], "online": None, "skipped": []}
+        self._tokens: dict[int, list[list[int]]] = {}  # batch -> megactx's tokens
+
+    def run(self, after_part: Callable[[dict[str, Any]], object] | None = None) -> dict[str, Any]:
+        start, threads = time.perf_counter(), torch.get_num_threads()
+        if self.s.threads:
+            torch.set_num_threads(self.s.threads)
+        try:
+            self._run_parts(start, after_part)
+        finally:
+            torch.set_num_threads(threads)
+        return self.results
+
+    def _run_parts(self, start: float, after_part: Callable[[dict[str, Any]], object] | None) -> None:
+        parts = [("megactx offline", self.megactx)]
+        parts += [("transformers offline", self.transformers)] if self.s.peer else []
+        parts += [("online", self.online)] if self.s.online else []
+        for name, part in parts:
+            try:
+                part()
+            except Exception as e:  # a part that fails is reported, and the others still run
+                reason = f"{type(e).__name__}: {e}"
+                self.progress.log(f"{name}: not run: {reason}")
+                self.results["skipped"].append({"step": name, "reason": reason})
+            _free(self.s.device)
+            self.results["wall_s"] = time.perf_counter() - start
+            if after_part:
+                after_part(self.results)
+
+    def _add(self, figures: RunFigures) -> None:
+        self.results["offline"].append(figures.to_dict())
+        self.progress.log(f"{figures.engine:<12} batch {figures.batch:3d}: {fmt_num(figures.tokens_per_s):>8} "
+                          f"tokens/s, wall {fmt_time(figures.wall_s)}, TTFT p50 {_p(figures.ttft_s, 'p50')}, "
+                          f"ITL p50 {_p(figures.itl_s, 'p50')}")
+
+    def megactx(self) -> None:
+        self.progress.log(f"megactx: loading {self.path} on {self.s.device}")
+        llm = offline_engine(self.path, self.s)
+        self.results["model"]["params"] = sum(p.numel() for p in llm.model.parameters())
+        for batch in self.s.batches:
+            figures, self._tokens[batch] = run_megactx(llm, self.s, batch)
+            self._add(figures)
+
+    def transformers(self) -> None:
+        self.progress.log(f"transformers: loading {self.path} on {self.s.device}")
+        import transformers
+
+        self.results["model"]["transformers"] = transformers.__version__
+        model = load_transformers(self.path, self.s)
+        for batch in self.s.batches:
+            self._add(run_transformers(model, self.s, batch, self.cfg.vocab_size, self._tokens.get(batch)))
+
+    def online(self) -> None:
+        self.progress.log(f"online: starting megactx serve, {self.s.concurrency} clients, {self.s.requests} requests")
+        figures = run_online(self.path, self.s, self.cfg.vocab_size, self.progress.log)
+        self.results["online"] = figures.to_dict()
+        self.progress.log(f"online: {figures.requests_per_s:.2f} requests/s, {fmt_num(figures.tokens_per_s)} "
+                          f"tokens/s, latency p50 {_p(figures.latency_s, 'p50')}, TTFT p50 {_p(figures.ttft_s, 'p50')}")
+
+
+def _p(summary: dict[str, float] | None, key: str) -> str:
+    return fmt_time(summary[key]) if summary else "–"
+
+
+# ------------------------------------------------------------------------------ targets
+def _target(target: str, figure: str, needs: str, passed: bool | None, note: str = "") -> dict[str, Any]:
+    return {"target": target, "figure": figure, "needs": needs, "passed": passed, "note": note}
+
+
+def _offline(results: dict[str, Any], engine: str, batch: int) -> RunFigures | None:
+    found = [RunFigures.from_dict(d) for d in results["offline"] if d["engine"] == engine and d["batch"] == batch]
+    return found[0] if found else None
+
+
+def _skip_reason(results: dict[str, Any], step: str) -> str | None:
+    return next((x["reason"] for x in results.get("skipped", []) if x["step"] == step), None)
+
+
+def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's two targets; passed is None where the run cannot decide (not run, or a GPU
+    target on a CPU run: the ratio is still shown)."""
+    on_gpu = results["machine"]["device"] == "cuda"
+    rows = []
+    b = TARGET_SPEEDUP_BATCH
+    t = f"megactx >= {TARGET_SPEEDUP:.0f}x transformers' output tokens/s at batch {b} (GPU)"
+    ours, peer = _offline(results, MEGACTX, b), _offline(results, TRANSFORMERS, b)
+    if ours and peer:
+        ratio = ours.tokens_per_s / peer.tokens_per_s
+        rows.append(_target(t, f"{fmt_num(ratio)}x ({fmt_num(ours.tokens_per_s)} vs {fmt_num(peer.tokens_per_s)} "
+                               "tokens/s)", f">= {TARGET_SPEEDUP:.0f}x",
+                            ratio >= TARGET_SPEEDUP if on_gpu else None, "" if on_gpu else "a GPU target; CPU run"))
+    else:
+        why = (f"batch {b} not in this run" if b not in results["settings"]["batches"]
+               else _skip_reason(results, "transformers offline") or _skip_reason(results, "megactx offline")
+               or "not run")
+        rows.append(_target(t, "–", f">= {TARGET_SPEEDUP:.0f}x", None, why))
+
+    t = f"server overhead <= {MAX_SERVER_OVERHEAD:.0%} of offline output tokens/s at the same concurrency"
+    online = RunFigures.from_dict(results["online"]) if results.get("online") else None
+    offline = online and _offline(results, MEGACTX, online.batch)
+    if online and offline:
+        overhead = 1 - online.tokens_per_s / offline.tokens_per_s
+        rows.append(_target(t, f"{overhead:.1%} ({fmt_num(online.tokens_per_s)} online vs "
+                               f"{fmt_num(offline.tokens_per_s)} offline tokens/s at {online.batch})",
+                            f"<= {MAX_SERVER_OVERHEAD:.0%}", overhead <= MAX_SERVER_OVERHEAD))
+    else:
+        if online:
+            why = f"no offline megactx run at batch {online.batch} (the clients' concurrency)"
+        elif not results["settings"]["online"]:
+            why = "online run disabled (--no-online)"
+        else:
+            why = _skip_reason(results, "online") or "not run"
+        rows.append(_target(t, "–", f"<= {MAX_SERVER_OVERHEAD:.0%}", None, why))
+    return rows
+
+
+# ------------------------------------------------------------------------------ Markdown
+def _lat(summary: dict[str, float] | None) -> tuple[str, str]:
+    return (_p(summary, "p50"), _p(summary, "p99"))
+
+
+def render_markdown(results: dict[str, Any], targets: list[dict[str, Any]]) -> str:
+    m, s, model = results["machine"], results["settings"], results["model"]
+    device = m.get("gpu") or m["device"]
+    out = [f"# megactx engine benchmark: {device}\n"]
+    versions = f"torch {m['torch']}, triton {m['triton']}" + (f", CUDA {m['cuda']}" if m.get("cuda") else "")
+    if model.get("transformers"):
+        versions += f", transformers {model['transformers']}"
+    params = f", {model['params'] / 1e6:.1f}M parameters" if model.get("params") else ""
+    out.append(f"{m['date']}; {versions}. Model `{model['path']}` ({model['model_type']}, {model['layers']} layers, "
+               f"hidden {model['hidden_size']}, vocabulary {model['vocab_size']}{params}), {s['dtype']}. "
+               f"Every request: {s['prompt_len']} random prompt tokens, exactly {s['output_len']} generated "
+               "(greedy, EOS ignored)" + (f"; {s['threads']} torch thread(s)" if s.get("threads") else "")
+               + (f"; whole run {results['wall_s']:.0f} s" if "wall_s" in results else "") + ".\n")
+    if model.get("random_weights"):
+        out.append("**Random weights** (no trained model yet): the figures measure the engine, not the text.\n")
+    if m["device"] != "cuda":
+        out.append("**CPU run**: megactx runs its pure-torch kernel twins here; the targets are GPU targets.\n")
+    out.append("TTFT: request arrival to its first token; ITL: gap between a request's successive tokens; "
+               f"latency: arrival to last token. Every batch: one untimed warm-up run, then {s.get('reps', 1)} "
+               "timed runs on prompts of their own; wall and tokens/s of the median run, latency percentiles over "
+               "all runs. "
+               "transformers: `generate` on the same prompts as one batch; its TTFT / ITL are per decoding step, "
+               "the same for every request of the batch.\n")
+
+    out.append("## Offline\n")
+    rows = []
+    for d in results["offline"]:
+        f = RunFigures.from_dict(d)
+        peer = _offline(results, TRANSFORMERS, f.batch)
+        ratio = f"{fmt_num(f.tokens_per_s / peer.tokens_per_s)}x" if f.engine == MEGACTX and peer else ""
+        same = f.detail.get("same_tokens_as_megactx")
+        rows.append([f.batch, f.engine, fmt_num(f.tokens_per_s), ratio, fmt_time(f.wall_s), *_lat(f.ttft_s),
+                     *_lat(f.itl_s), "" if same is None else f"{same}/{f.requests}"])
+    rows.sort(key=lambda r: (r[0], r[1] != MEGACTX))
+    out.append(md_table(["batch", "engine", "output tokens/s", "vs transformers", "wall", "TTFT p50", "TTFT p99",
+                         "ITL p50", "ITL p99", "same tokens as megactx"], rows))
+
+    out.append("\n## Online: megactx serve, streaming /v1/completions\n")
+    if results.get("online"):
+        f = RunFigures.from_dict(results["online"])
+        offline = _offline(results, MEGACTX, f.batch)
+        overhead = f"{1 - f.tokens_per_s / offline.tokens_per_s:.1%}" if offline else "–"
+        out.append(md_table(
+            ["clients", "requests", "requests/s", "output tokens/s", "offline tokens/s at that batch", "overhead",
+             "latency p50", "latency p99", "TTFT p50", "TTFT p99"],
+            [[f.batch, f.requests, fmt_num(f.requests_per_s), fmt_num(f.tokens_per_s),
+              fmt_num(offline.tokens_per_s) if offline else "–", overhead, *_lat(f.latency_s), *_lat(f.ttft_s)]]))
+        if f.detail.get("tokens_counted_from") == "max_tokens":
+            out.append("\n(The server sent no usage chunk: every request is counted as max_tokens long.)\n")
+    else:
+        out.append(f"Not run: {_skip_reason(results, 'online') or 'disabled (--no-online)'}.\n")
+
+    out.append("\n## Targets\n")
+    mark = {True: "pass", False: "**FAIL**", None: "n/a"}
+    out.append(md_table(["target", "figure", "needs", "result"],
+                        [[t["target"], t["figure"], t["needs"], mark[t["passed"]] + (f" ({t['note']})" if t["note"]
+                                                                                      else "")] for t in targets]))
+    if results.get("skipped"):
+        out.append("\n## Not run\n")
+        out.append(md_table(["part", "why"], [[x["step"], x["reason"].replace("\n", " ")]
+                                              for x in results["skipped"]]))
+    return "\n".join(out)
+
+
+# ------------------------------------------------------------------------------ PNG
+def plot(results: dict[str, Any], path: Path) -> bool:
+    """Two panels: output tokens/s by batch for each engine (with the online run at its
+    concurrency); TTFT and ITL p50 / p99 by batch. False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display: render to a file
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    runs = [RunFigures.from_dict(d) for d in results["offline"]]
+    online = RunFigures.from_dict(results["online"]) if results.get("online") else None
+    batches = sorted({f.batch for f in runs} | ({online.batch} if online else set()))
+    x = {b: i for i, b in enumerate(batches)}
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5.5))
+    engines = [(MEGACTX, "C0"), (TRANSFORMERS, "C1")]
+    width = 0.8 / (len(engines) + (online is not None))
+    for k, (engine, color) in enumerate(engines):
+        mine = [f for f in runs if f.engine == engine]
+        if mine:
+            bars = ax1.bar([x[f.batch] + (k - 0.5) * width for f in mine], [f.tokens_per_s for f in mine], width,
+                           label=engine, color=color)
+            ax1.bar_label(bars, [fmt_num(f.tokens_per_s) for f in mine], fontsize=7)
+    if online:
+        bars = ax1.bar([x[online.batch] + 1.5 * width], [online.tokens_per_s], width, color="C2",
+                       label=f"{SERVE} ({online.batch} clients)")
+        ax1.bar_label(bars, [fmt_num(online.tokens_per_s)], fontsize=7)
+    ax1.set(yscale="log", xlabel="batch (requests in flight)", ylabel="output tokens/s",
+            title="Throughput (higher is better)")
+
+    for engine, color in engines:
+        mine = [f for f in runs if f.engine == engine]
+        for key, marker, what in (("ttft_s", "o", "TTFT"), ("itl_s", "s", "ITL")):
+            pts = [(x[f.batch], getattr(f, key)) for f in mine if getattr(f, key)]
+            if pts:
+                xs = [p[0] for p in pts]
+                ax2.plot(xs, [1e3 * p[1]["p50"] for p in pts], marker + "-", color=color, label=f"{engine} {what} p50")
+                ax2.plot(xs, [1e3 * p[1]["p99"] for p in pts], marker + ":", color=color, label=f"{engine} {what} p99")
+    if online:
+        for key, marker, what in (("ttft_s", "o", "TTFT"), ("latency_s", "D", "latency")):
+            summary = getattr(online, key)
+            if summary:
+                ax2.plot([x[online.batch]] * 2, [1e3 * summary["p50"], 1e3 * summary["p99"]], marker + "--",
+                         color="C2", label=f"{SERVE} {what} p50 / p99")
+    ax2.set(yscale="log", xlabel="batch (requests in flight)", ylabel="milliseconds",
+            title="Latency (solid p50, dotted p99)")
+    for ax in (ax1, ax2):
+        ax.set_xticks(range(len(batches)), [str(b) for b in batches])
+        ax.grid(True, which="both", axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
+    device = results["machine"].get("gpu") or results["machine"]["device"]
+    s = results["settings"]
+    fig.suptitle(f"megactx bench engine: {device}, {s['prompt_len']} prompt + {s['output_len']} output tokens "
+                 "a request")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write_reports(results: dict[str, Any], out_dir: Path) -> list[Path]:
+    """Evaluate the targets, then write engine-<device>.json (raw figures + targets), .md and .png
+    (when matplotlib is installed) into out_dir. Returns the paths written."""
+    targets = evaluate_targets(results)
+    results = results | {"targets": targets}
+    stem = Path(out_dir) / f"engine-{device_slug(results['machine'])}"
+    paths = [stem.with_suffix(".json"), stem.with_suffix(".md")]
+    write_json(paths[0], results)
+    paths[1].write_text(render_markdown(results, targets))
+    if plot(results, stem.with_suffix(".png")):
+        paths.append(stem.with_suffix(".png"))
+    return paths
+
+
+# ------------------------------------------------------------------------------ CLI
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 1,16,64, got {text!r}") from None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory (default: a cached random tiny checkpoint; no trained model yet)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                   help="cuda or cpu (default: cuda when torch sees a GPU); sizes default by device, see above")
+    p.add_argument("--quick", action="store_true", help="batches 1 and 16, fewer tokens and requests")
+    p.add_argument("--out", type=Path, default=None,
+                   help=f"directory for engine-<device>.json, .md and .png (default: {RESULTS_DIR})")
+    p.add_argument("--batches", type=_int_list, default=None, help="offline batch sizes, e.g. 1,16,64")
+    p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens a request (P)")
+    p.add_argument("--output-len", type=int, default=None, help="generated tokens a request (M)")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="online clients in flight (C); the overhead compares with the offline run at batch C")
+    p.add_argument("--requests", type=int, default=None, help="online requests in all (R)")
+    p.add_argument("--no-peer", action="store_true", help="skip the transformers peer")
+    p.add_argument("--no-online", action="store_true", help="skip the online run through megactx serve")
+    p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                   help="an extra argument for megactx serve (repeat; e.g. --serve-arg=--max-model-len=4096)")
+    p.add_argument("--port", type=int, default=None, help="port of megactx serve (default: a free one)")
+    p.add_argument("--reps", type=int, default=None,
+                   help="timed runs of every offline batch, each on other prompts; the median counts (default 3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default 0)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads of every part, the server's too (default: 1 on a CPU, torch's "
+                        "own on a GPU run)")
+    p.add_argument("--from-json", type=Path, default=None, metavar="FILE",
+                   help="do not measure: write the .md and .png again from a results JSON")
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Settings from parsed arguments; ValueError names the bad argument."""
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device cuda, but torch {torch.__version__} sees no CUDA GPU; use --device cpu")
+    s = Settings.defaults(device, args.quick)
+    for name in ("batches", "prompt_len", "output_len", "concurrency", "requests", "port", "threads", "reps"):
+        if getattr(args, name) is not None:
+            setattr(s, name, getattr(args, name))
+    s.seed, s.peer, s.online, s.serve_args = args.seed, not args.no_peer, not args.no_online, list(args.serve_arg)
+    s.check()
+    return s
+
+
+def run(args: argparse.Namespace) -> int:
+    """`megactx bench engine`: 0 on success (parts that could not run are reported in the results),
+    2 on bad arguments or an unusable checkpoint."""
+    prog = "megactx bench engine"
+    if args.from_json is not None:
+        try:
+            results = json.loads(args.from_json.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            print(f"{prog}: error: cannot read --from-json {args.from_json}: {e}", file=sys.stderr)
+            return 2
+        for path in write_reports(results, args.out or args.from_json.parent):
+            print(path)
+        return 0
+    from megactx.generate import resolve_model
+
+    progress = Progress()
+    try:
+        settings = settings_from_args(args)
+        path, random_weights = resolve_model(args.model, progress.log)
+        bench = EngineBench(path, random_weights, settings, progress)
+    except (ValueError, OSError) as e:  # ConfigError is a ValueError
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    out = args.out or RESULTS_DIR
+    written: list[Path] = []
+
+    def write(results: dict[str, Any]) -> None:  # after every part, so a later crash keeps the figures
+        written[:] = write_reports(results, out)
+
+    bench.run(after_part=write)
+    for path in written:
+        print(path)
+    return 0

@@ -1,0 +1,119 @@
+"""`megactx serve`: an OpenAI-compatible HTTP server over the engine (DESCRIPTION below is its --help).
+
+Modules: protocol (request / response schemas), async_engine (the engine thread and its asyncio
+bridge), api (the FastAPI app), metrics (Prometheus). This package's own import is light (argparse
+only), so `megactx --help` and the other subcommands do not need FastAPI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import logging
+import sys
+from pathlib import Path
+
+DESCRIPTION = """`megactx serve`: an OpenAI-compatible HTTP server over the engine.
+
+    megactx serve --model path/to/checkpoint --port 8000
+    curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+         -d '{"model": "checkpoint", "prompt": "def fib(n):", "max_tokens": 32}'
+
+Routes: /v1/completions and /v1/chat/completions (SSE streaming with "stream": true), /v1/models,
+/health, /metrics (Prometheus). The model name clients send is --served-model-name (default: the
+checkpoint directory's name). Sampling fields are OpenAI's (n, temperature, top_p, max_tokens, stop,
+seed, logprobs / top_logprobs, presence and frequency penalties) plus vLLM's extras (top_k, min_p,
+repetition_penalty, min_tokens, ignore_eos, stop_token_ids).
+
+Overload: --max-queued-requests sequences may wait beyond the --max-num-seqs that run at once;
+past that, a request gets 503 with Retry-After (nothing accepted is ever dropped). A client that
+disconnects has its request aborted. SIGTERM drains the requests in flight, then exits (by the
+signal, as uvicorn does, so a supervisor sees it). Each finished request logs one INFO line (id,
+prompt and output tokens, time to first token, latency).
+"""
+
+DEFAULT_MAX_QUEUED_REQUESTS = 256  # sequences waiting beyond the running batch before a 503
+DTYPES = ("auto", "bfloat16", "float16", "float32")  # auto: bfloat16 on CUDA, float32 on a CPU
+
+
+def add_serve_parser(subparsers) -> None:
+    """Register `serve` on an argparse subparsers object. Flags mirror LLM's constructor; their
+    defaults are LLM's own."""
+    from megactx.engine.llm import LLM
+
+    defaults = {name: p.default for name, p in inspect.signature(LLM.__init__).parameters.items()}
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, SSE, metrics)",
+                              description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="checkpoint directory (config.json, *.safetensors, tokenizer.json with a chat "
+                                   "template). Required for now; once megactx ships its trained tiny model, that "
+                                   "model becomes the default")
+    p.add_argument("--served-model-name", help="the name clients pass as `model` (default: the checkpoint "
+                                               "directory's name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only; "
+                                                       "0.0.0.0 listens on every interface)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--max-model-len", type=int, default=defaults["max_model_len"],
+                   help="longest context, prompt + output, in tokens (default: the model's max_position_embeddings)")
+    p.add_argument("--max-num-seqs", type=int, default=defaults["max_num_seqs"],
+                   help="sequences the running batch holds at once (default %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=defaults["max_num_batched_tokens"],
+                   help="positions one engine step computes: decodes plus prefill chunks (default %(default)s)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=defaults["gpu_memory_utilization"],
+                   help="fraction of the GPU's memory the process may use; what weights and activations leave "
+                        "goes to the KV cache (default %(default)s)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "bf16", "fp8"], default=defaults["kv_cache_dtype"],
+                   help="MLA cache format: auto (= --dtype), bf16, or fp8 (656 B a token a layer instead of "
+                        "1152) (default %(default)s)")
+    p.add_argument("--device", default=defaults["device"],
+                   help="torch device: cuda, cuda:1, cpu (default: cuda when available)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="weights and activations: auto = bfloat16 on CUDA, float32 on a CPU (default auto)")
+    p.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
+                   help="sequences (a request with n completions counts n) that may wait beyond --max-num-seqs; "
+                        "past that, new requests get 503 with Retry-After (default %(default)s)")
+    p.add_argument("--num-speculative-tokens", type=int, default=defaults["num_speculative_tokens"],
+                   help="MTP draft tokens a step; only 0 (off) until speculative decoding lands (default 0)")
+    p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info",
+                   help="log level of the server and of its one-line-a-request log (default info)")
+    p.set_defaults(func=run_serve)
+
+
+def _fail(message: str) -> int:
+    print(f"megactx serve: error: {message}", file=sys.stderr)
+    return 2
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Load the model, then serve until SIGTERM / Ctrl-C. Returns 2 (with a message) for bad flags."""
+    if args.model is None:
+        return _fail("--model PATH is required: there is no default model yet (the shipped tiny model becomes "
+                     "the default once it exists). Make a random test checkpoint with "
+                     "`python -c 'from megactx.testing import make_random_checkpoint as m; m(\"tiny-random\")'`")
+    if args.num_speculative_tokens != 0:
+        return _fail(f"--num-speculative-tokens {args.num_speculative_tokens}: speculative decoding is not "
+                     "implemented yet; use 0")
+    if args.max_queued_requests < 0:
+        return _fail(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
+    path = Path(args.model)
+    if not (path / "config.json").is_file():
+        return _fail(f"--model {args.model}: no config.json there; pass a Hugging Face checkpoint directory")
+
+    import torch
+    import uvicorn
+
+    from megactx.engine.llm import LLM
+    from megactx.serve.api import build_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        llm = LLM(path, device=args.device, dtype=None if args.dtype == "auto" else getattr(torch, args.dtype),
+                  kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
+                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                  gpu_memory_utilization=args.gpu_memory_utilization)
+    except ValueError as e:
+        return _fail(str(e))
+    name = args.served_model_name or path.resolve().name
+    app = build_app(llm, served_model_name=name, max_queued_requests=args.max_queued_requests)
+    logging.getLogger("megactx.serve").info("serving %s as %r on http://%s:%d", path, name, args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

@@ -1,0 +1,421 @@
+"""The OpenAI-compatible HTTP server: a FastAPI app over an `AsyncEngine`.
+
+    app = build_app(LLM("path/to/checkpoint"), served_model_name="tiny")
+    uvicorn.run(app, host="127.0.0.1", port=8000)        # what `megactx serve` does
+
+Routes: POST /v1/completions and /v1/chat/completions (both with SSE streaming: `data: {chunk}`
+lines, then `data: [DONE]`), GET /v1/models, /health (200, or 503 once the engine died) and
+/metrics (Prometheus text).
+
+Errors come back as OpenAI's body, `{"error": {"message", "type", "param", "code"}}`: 400 for a
+request that cannot be served (malformed JSON, an unknown or out-of-range field, a prompt longer than
+the context, a max_tokens that does not fit), 404 for an unknown model, 503 + Retry-After when the
+queue is full. A refused request costs the others nothing.
+
+A client that disconnects (mid-stream or while waiting for a whole response) has its request
+aborted, which frees its KV blocks. Shutdown (SIGTERM / Ctrl-C) is uvicorn's graceful one: the
+server stops accepting connections, lets every request in flight finish, then stops the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import jinja2
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from megactx.engine.llm import LLM, Delta, TokenLogprobs
+from megactx.engine.sampling_params import SamplingParams
+from megactx.serve import DEFAULT_MAX_QUEUED_REQUESTS
+from megactx.serve.async_engine import AsyncEngine, EngineDead, EngineOverloaded, RequestStream
+from megactx.serve.metrics import CONTENT_TYPE, ServerMetrics
+from megactx.serve.protocol import (
+    APIError,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    TopLogprob,
+    UsageInfo,
+)
+
+# A 503 tells the client to come back after this many seconds: a decode step takes milliseconds,
+# so a full queue usually has room again within a second.
+RETRY_AFTER_S = 1
+# a bad value is echoed in the error message, cut to this length
+MAX_INPUT_ECHO_CHARS = 80
+_TYPE_TAGS = {"str", "int", "float", "bool"}  # pydantic's names for union members of plain types
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering of the stream
+
+
+def build_app(llm: LLM, *, served_model_name: str, max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS) -> FastAPI:
+    """The FastAPI app serving `llm` under the model name `served_model_name`. The engine thread
+    starts with the app's lifespan and stops after the server drained its requests.
+    max_queued_requests: sequences admitted beyond the batch's max_num_seqs before a 503."""
+    metrics = ServerMetrics(served_model_name)
+    engine = AsyncEngine(llm, max_queued_requests=max_queued_requests, metrics=metrics)
+    serving = OpenAIServing(engine, llm, served_model_name, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        await engine.shutdown()
+
+    app = FastAPI(title="megactx", summary="OpenAI-compatible server for megactx models", lifespan=lifespan)
+    app.state.engine = engine
+    app.state.metrics = metrics
+
+    def error_response(e: APIError) -> JSONResponse:
+        if e.status == 503 and e.code == "overloaded":
+            metrics.request_rejected("overloaded")
+        elif 400 <= e.status < 500:
+            metrics.request_rejected("invalid")
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, e: APIError) -> JSONResponse:
+        return error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid_request(request: Request, e: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(e.errors())
+        return error_response(APIError(400, message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return error_response(APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
+                                       headers=e.headers))
+
+    @app.exception_handler(EngineDead)
+    async def on_engine_dead(request: Request, e: EngineDead) -> JSONResponse:
+        return error_response(APIError(503, str(e), type="server_error", code="engine_dead"))
+
+    @app.exception_handler(Exception)
+    async def on_bug(request: Request, e: Exception) -> JSONResponse:
+        # the traceback goes to the log (uvicorn logs the exception again after this response)
+        return error_response(APIError(500, f"internal error: {e!r}", type="server_error"))
+
+    app.post("/v1/completions")(serving.completions)
+    app.post("/v1/chat/completions")(serving.chat_completions)
+    app.get("/v1/models")(serving.models)
+    app.get("/health")(serving.health)
+    app.get("/metrics")(serving.metrics)
+    return app
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """A person-readable message and the field at fault, from pydantic's errors."""
+    if not errors:
+        return "invalid request", None
+    if errors[0]["type"] == "json_invalid":
+        e = errors[0]
+        return f"the request body is not valid JSON: {e.get('ctx', {}).get('error', e['msg'])}", None
+    # A union field (prompt, content) fails once per member type; the deepest failure is in the
+    # member the client meant (a content part of an unknown type, not "content is not a string").
+    e = max(errors, key=lambda e: len(e["loc"]))
+    name = _field_name(e["loc"])
+    if e["type"] == "extra_forbidden":
+        return f"{name}: unknown parameter; this server does not support it", name
+    if e["type"] == "missing":
+        return f"{name}: this field is required", name
+    same_field = dict.fromkeys(x["msg"] for x in errors if _field_name(x["loc"]) == name)
+    got = repr(e["input"])
+    got = got if len(got) <= MAX_INPUT_ECHO_CHARS else got[:MAX_INPUT_ECHO_CHARS] + "..."
+    return f"{name}: {' or '.join(same_field)}; got {got}", name
+
+
+def _field_name(loc: tuple) -> str:
+    """'messages.0.content.0.type' from pydantic's loc, without "body" and union member tags
+    ('str', 'list[int]', 'list[TextPart]')."""
+    parts = [str(p) for p in loc if p != "body" and not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS))]
+    return ".".join(parts) or "body"
+
+
+@dataclass
+class _Choice:
+    """One choice of a response being collected (non-streaming), or streamed."""
+
+    text: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    text_offset: int = 0  # completions logprobs: where the next token's text starts
+
+
+class OpenAIServing:
+    """The route handlers. Text goes through the checkpoint's tokenizer (never by hand); a model
+    without one serves token-id prompts of /v1/completions only."""
+
+    def __init__(self, engine: AsyncEngine, llm: LLM, model_name: str, metrics: ServerMetrics):
+        self.engine = engine
+        self.tokenizer = llm.tokenizer
+        self.max_model_len = llm.max_model_len
+        self.model_name = model_name
+        self._metrics = metrics
+        self._created = int(time.time())
+        self._watchers: set[asyncio.Task] = set()  # disconnect watchers of streaming responses
+
+    # ---------------------------------------------------------------------------- simple routes
+    async def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.model_name, created=self._created,
+                                         max_model_len=self.max_model_len)])
+
+    async def health(self) -> JSONResponse:
+        if not self.engine.is_alive:
+            raise EngineDead(f"the engine is not running ({self.engine.error!r}); restart the server")
+        return JSONResponse({"status": "ok"})
+
+    async def metrics(self) -> Response:
+        return Response(self._metrics.render(), media_type=CONTENT_TYPE)
+
+    # ---------------------------------------------------------------------------- completions
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        arrival = time.perf_counter()
+        self._check_model(body.model)
+        body.check_stream_options()
+        prompt_ids = [await self._tokenize(p) for p in body.prompts()]
+        params = [body.sampling_params(self._max_tokens(body.max_tokens, ids)) for ids in prompt_ids]
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        stream = await self._submit(prompt_ids, params, request_id, arrival)
+        n, created = params[0].n, int(time.time())
+        usage_prompt = sum(len(ids) for ids in prompt_ids)
+        if body.stream:
+            return self._sse(self._completion_events(stream, request_id, created, n, usage_prompt,
+                                                     body.include_usage), stream, request)
+        choices = await self._collect(stream, request, len(prompt_ids) * n, n)
+        want_logprobs = params[0].logprobs is not None
+        return JSONResponse(CompletionResponse(
+            id=request_id, created=created, model=self.model_name,
+            choices=[CompletionChoice(index=i, text="".join(c.text), finish_reason=c.finish_reason,
+                                      logprobs=self._completion_logprobs(c.logprobs, c) if want_logprobs else None)
+                     for i, c in enumerate(choices)],
+            usage=_usage(usage_prompt, sum(c.num_tokens for c in choices))).model_dump())
+
+    async def _completion_events(self, stream: RequestStream, request_id: str, created: int, n: int,
+                                 prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
+        choices: dict[int, _Choice] = {}
+        async for prompt_index, delta in stream:
+            index = prompt_index * n + delta.index
+            choice = choices.setdefault(index, _Choice())
+            choice.num_tokens += len(delta.token_ids)
+            if not (delta.text or delta.logprobs or delta.finish_reason):
+                continue  # held-back text (a possible stop string, an incomplete character)
+            logprobs = None if delta.logprobs is None else self._completion_logprobs(delta.logprobs, choice)
+            yield _sse(CompletionResponse(id=request_id, created=created, model=self.model_name, choices=[
+                CompletionChoice(index=index, text=delta.text, logprobs=logprobs, finish_reason=delta.finish_reason)]))
+        if include_usage:
+            yield _sse(CompletionResponse(id=request_id, created=created, model=self.model_name, choices=[],
+                                          usage=_usage(prompt_tokens, sum(c.num_tokens for c in choices.values()))))
+
+    def _completion_logprobs(self, logprobs: list[TokenLogprobs], choice: _Choice) -> CompletionLogprobs:
+        """The legacy format: each token's text and logprob, the top tokens' {text: logprob} with
+        the sampled token always among them, and each token's offset in the completion text."""
+        out = CompletionLogprobs()
+        for lp in logprobs:
+            token = self._token_text(lp.token_id)
+            top = {self._token_text(t): v for t, v in lp.top.items()}
+            top.setdefault(token, lp.logprob)
+            out.tokens.append(token)
+            out.token_logprobs.append(lp.logprob)
+            out.top_logprobs.append(top)
+            out.text_offset.append(choice.text_offset)
+            choice.text_offset += len(token)
+        return out
+
+    # ---------------------------------------------------------------------------- chat
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        arrival = time.perf_counter()
+        self._check_model(body.model)
+        body.check_stream_options()
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer, so it cannot render chat messages; use "
+                                "/v1/completions with token ids", param="messages")
+        messages = [m.to_template() for m in body.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except (ValueError, jinja2.TemplateError) as e:
+            raise APIError(400, f"the chat template could not render these messages: {e}", param="messages") from None
+        ids = await asyncio.to_thread(self.tokenizer.encode, text)
+        params = body.sampling_params(self._max_tokens(body.requested_max_tokens(), ids))
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        stream = await self._submit([ids], [params], request_id, arrival)
+        created, want_logprobs = int(time.time()), params.logprobs is not None
+        if body.stream:
+            return self._sse(self._chat_events(stream, request_id, created, params.n, len(ids), body.include_usage),
+                             stream, request)
+        choices = await self._collect(stream, request, params.n, params.n)
+        return JSONResponse(ChatCompletionResponse(
+            id=request_id, created=created, model=self.model_name,
+            choices=[ChatChoice(index=i, message=ChatResponseMessage(content="".join(c.text)),
+                                finish_reason=c.finish_reason,
+                                logprobs=self._chat_logprobs(c.logprobs) if want_logprobs else None)
+                     for i, c in enumerate(choices)],
+            usage=_usage(len(ids), sum(c.num_tokens for c in choices))).model_dump())
+
+    async def _chat_events(self, stream: RequestStream, request_id: str, created: int, n: int, prompt_tokens: int,
+                           include_usage: bool) -> AsyncIterator[str]:
+        def chunk(choices, usage=None) -> str:
+            return _sse(ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=choices,
+                                            usage=usage))
+
+        # every choice opens with the assistant role, as OpenAI's stream does
+        yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content="")) for i in range(n)])
+        num_tokens = 0
+        async for _, delta in stream:
+            num_tokens += len(delta.token_ids)
+            if not (delta.text or delta.logprobs or delta.finish_reason):
+                continue
+            logprobs = None if delta.logprobs is None else self._chat_logprobs(delta.logprobs)
+            yield chunk([ChatChunkChoice(index=delta.index, delta=ChatDelta(content=delta.text), logprobs=logprobs,
+                                         finish_reason=delta.finish_reason)])
+        if include_usage:
+            yield chunk([], _usage(prompt_tokens, num_tokens))
+
+    def _chat_logprobs(self, logprobs: list[TokenLogprobs]) -> ChatLogprobs:
+        def entry(token_id: int, logprob: float) -> TopLogprob:
+            text = self._token_text(token_id)
+            return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
+        return ChatLogprobs(content=[
+            ChatTokenLogprob(**entry(lp.token_id, lp.logprob).model_dump(),
+                             top_logprobs=[entry(t, v) for t, v in lp.top.items()]) for lp in logprobs])
+
+    # ---------------------------------------------------------------------------- shared steps
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    async def _tokenize(self, prompt: str | list[int]) -> list[int]:
+        if not isinstance(prompt, str):
+            return prompt
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
+        # off the event loop: a long prompt takes a while to encode
+        return await asyncio.to_thread(self.tokenizer.encode, prompt)
+
+    def _max_tokens(self, requested: int | None, prompt_ids: list[int]) -> int:
+        """What was asked for, or else everything the context has left after the prompt (at least 1,
+        so that a prompt too long for the context is refused for its length)."""
+        return requested if requested is not None else max(1, self.max_model_len - len(prompt_ids))
+
+    async def _submit(self, prompt_ids: list[list[int]], params: list[SamplingParams], request_id: str,
+                      arrival: float) -> RequestStream:
+        try:
+            stream = self.engine.submit(prompt_ids, params, request_id, arrival)
+        except EngineOverloaded as e:
+            raise APIError(503, str(e), type="server_error", code="overloaded",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except ValueError as e:
+            raise APIError(400, str(e), param="n") from None
+        try:
+            await stream.admitted()
+        except ValueError as e:  # the engine's reason: the prompt or max_tokens does not fit, ...
+            stream.abort()
+            raise APIError(400, str(e)) from None
+        except BaseException:  # the client went away while the engine was admitting it
+            stream.abort()
+            raise
+        return stream
+
+    async def _collect(self, stream: RequestStream, request: Request, num_choices: int, n: int) -> list[_Choice]:
+        """Gather a whole response; abort it if the client disconnects meanwhile."""
+        choices = [_Choice() for _ in range(num_choices)]
+        watcher = asyncio.create_task(_abort_on_disconnect(request, stream))
+        try:
+            async for prompt_index, delta in stream:
+                _add_delta(choices[prompt_index * n + delta.index], delta)
+        finally:
+            watcher.cancel()
+            stream.abort()  # a no-op once the stream finished
+        return choices
+
+    def _sse(self, events: AsyncIterator[str], stream: RequestStream, request: Request) -> StreamingResponse:
+        # Watch from now on, not from the body's first iteration: a client that leaves before the
+        # body starts gets a body that never runs (and so never reaches its `finally`).
+        watcher = asyncio.create_task(_abort_on_disconnect(request, stream))
+        self._watchers.add(watcher)  # the loop keeps only weak references to tasks
+        watcher.add_done_callback(self._watchers.discard)
+
+        async def body() -> AsyncIterator[str]:
+            try:
+                async for event in events:
+                    yield event
+            except EngineDead as e:
+                yield _sse_error(APIError(503, str(e), type="server_error", code="engine_dead"))
+            finally:
+                # on a disconnect starlette cancels this generator; either way the request must go
+                watcher.cancel()
+                stream.abort()
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+    def _token_text(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        # special tokens (EOS) keep their text, so the sampled token is visible in logprobs
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _add_delta(choice: _Choice, delta: Delta) -> None:
+    choice.text.append(delta.text)
+    choice.num_tokens += len(delta.token_ids)
+    if delta.logprobs:
+        choice.logprobs.extend(delta.logprobs)
+    if delta.finish_reason is not None:
+        choice.finish_reason = delta.finish_reason
+
+
+async def _abort_on_disconnect(request: Request, stream: RequestStream) -> None:
+    """Wait for the client to go away, then abort its request (frees its KV blocks). Cancelled by
+    the caller once the response is complete."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    stream.abort()
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
+
+
+def _sse(chunk: CompletionResponse | ChatCompletionChunk) -> str:
+    """One server-sent event. A chat delta leaves out its empty fields and a chunk its usage until
+    the last one, as OpenAI's stream does."""
+    data = chunk.model_dump()
+    if data.get("usage") is None:
+        data.pop("usage", None)
+    for choice in data["choices"]:
+        if "delta" in choice:
+            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+    return f"data: {_json(data)}\n\n"
+
+
+def _sse_error(e: APIError) -> str:
+    return f"data: {_json(e.body())}\n\n"
+
+
+def _json(data: dict) -> str:
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))

@@ -1,0 +1,131 @@
+"""Prometheus metrics of a `megactx serve` process (GET /metrics).
+
+Each server owns its own `CollectorRegistry`, so several servers can live in one process (tests)
+and nothing is registered globally. prometheus_client's metrics are thread-safe: the engine thread
+sets the engine gauges after each step, the event loop records request events.
+
+Gauges: running / waiting sequences, KV blocks used / free, prefix-cache hit rate.
+Counters: prompt and generation tokens, finished completions by finish reason, rejected requests by
+reason. Histograms: time to first token, inter-token latency, end-to-end request latency.
+Speculative decoding (an engine that drafts, see `watch_spec_decode`): counters of drafts, draft
+tokens and accepted tokens, accepted tokens per draft position, and the mean acceptance length.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from megactx.engine.spec_decode import SpecDecodeStats
+
+# Bucket edges in seconds. Time to first token spans a decode-sized prefill (milliseconds) up to the
+# prefill of a million-token prompt (minutes), so the edges go that far.
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                  40.0, 80.0, 160.0, 640.0, 2560.0)
+# A decode step of a large batch at long context stays well under a few seconds.
+ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+                 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0, 1280.0,
+                 2560.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    """The metrics of one server. `model_name` labels every series, as vLLM's do, so one Prometheus
+    can tell several served models apart."""
+
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+
+        def gauge(name, doc):
+            return Gauge(name, doc, labels, registry=self.registry).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(name, doc, labels, registry=self.registry).labels(model_name)
+
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+
+        self.num_running = gauge("megactx_num_requests_running",
+                                 "Sequences in the running batch (a request with n completions counts n)")
+        self.num_waiting = gauge("megactx_num_requests_waiting",
+                                 "Sequences waiting for a batch slot or KV blocks (n completions count n)")
+        self.kv_blocks_used = gauge("megactx_kv_blocks_used", "Paged KV blocks held by sequences")
+        self.kv_blocks_free = gauge("megactx_kv_blocks_free",
+                                    "Paged KV blocks free to allocate (including prefix-cached ones no one holds)")
+        self.prefix_cache_hit_rate = gauge("megactx_prefix_cache_hit_rate",
+                                           "Fraction of looked-up prompt tokens found in the prefix cache, since start")
+        self.prompt_tokens = counter("megactx_prompt_tokens", "Prompt tokens of accepted requests")
+        self.generation_tokens = counter("megactx_generation_tokens", "Generated tokens")
+        self.ttft = histogram("megactx_time_to_first_token_seconds",
+                              "From a request's arrival to its first generated token", TTFT_BUCKETS_S)
+        self.itl = histogram("megactx_inter_token_latency_seconds",
+                             "Between consecutive tokens of one completion", ITL_BUCKETS_S)
+        self.e2e = histogram("megactx_e2e_request_latency_seconds",
+                             "From a request's arrival to its last token (or its abort)", E2E_BUCKETS_S)
+        self._finished = Counter("megactx_completions_finished",
+                                 "Finished completions (a request has n) by finish reason",
+                                 labels + ["finish_reason"], registry=self.registry)
+        self._rejected = Counter("megactx_requests_rejected", "Requests refused before running, by reason",
+                                 labels + ["reason"], registry=self.registry)
+        self.model_name = model_name
+
+    def observe_engine(self, num_running: int, num_waiting: int, kv_blocks_used: int, kv_blocks_free: int,
+                       prefix_cache_hit_rate: float) -> None:
+        """The engine's state after a step (called from the engine thread)."""
+        self.num_running.set(num_running)
+        self.num_waiting.set(num_waiting)
+        self.kv_blocks_used.set(kv_blocks_used)
+        self.kv_blocks_free.set(kv_blocks_free)
+        self.prefix_cache_hit_rate.set(prefix_cache_hit_rate)
+
+    def completion_finished(self, finish_reason: str) -> None:
+        """finish_reason: "stop" | "length" | "abort" (the client went away, or the server stopped)."""
+        self._finished.labels(self.model_name, finish_reason).inc()
+
+    def request_rejected(self, reason: str) -> None:
+        """reason: "invalid" (a 4xx) | "overloaded" (a 503)."""
+        self._rejected.labels(self.model_name, reason).inc()
+
+    def watch_spec_decode(self, stats: SpecDecodeStats) -> None:
+        """Expose an engine's speculative-decoding counters (`LLM.stats.spec_decode`), read at each scrape."""
+        self.registry.register(_SpecDecodeCollector(stats, self.model_name))
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
+
+
+class _SpecDecodeCollector:
+    """Reads SpecDecodeStats when /metrics is scraped. The engine thread only adds to its counters, so
+    each value is whole; values of one scrape may be a step apart."""
+
+    def __init__(self, stats: SpecDecodeStats, model_name: str):
+        self.stats, self.model_name = stats, model_name
+
+    def collect(self):
+        stats, name = self.stats, self.model_name
+        for metric, doc, value in (
+                ("megactx_spec_decode_num_drafts", "Verifies of a sequence with at least one draft token",
+                 stats.num_drafts),
+                ("megactx_spec_decode_num_draft_tokens", "Draft tokens verified", stats.num_draft_tokens),
+                ("megactx_spec_decode_num_accepted_tokens", "Draft tokens accepted", stats.num_accepted_tokens)):
+            family = CounterMetricFamily(metric, doc, labels=["model_name"])
+            family.add_metric([name], value)
+            yield family
+        per_position = CounterMetricFamily("megactx_spec_decode_num_accepted_tokens_per_pos",
+                                           "Draft tokens accepted at each draft position (0 = the first)",
+                                           labels=["model_name", "position"])
+        for position, value in enumerate(stats.accepted_per_position):
+            per_position.add_metric([name, str(position)], value)
+        yield per_position
+        mean = GaugeMetricFamily("megactx_spec_decode_mean_acceptance_length",
+                                 "Tokens a verify emits on average (accepted drafts + 1), since start",
+                                 labels=["model_name"])
+        mean.add_metric([name], stats.mean_acceptance_length)
+        yield mean

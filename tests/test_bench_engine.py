@@ -1,0 +1,274 @@
+"""`megactx bench engine`: percentiles, the offline run of both engines on a random checkpoint (they
+must produce the same greedy tokens), the HTTP client against a fake OpenAI server (concurrency,
+usage counting, errors) and against the real `megactx serve`, and the targets and reports rendered
+from made-up figures."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from benchmarks.common import device_slug
+from benchmarks.engine import (
+    MEGACTX,
+    SERVE,
+    TRANSFORMERS,
+    RunFigures,
+    Settings,
+    client_round,
+    completion_bodies,
+    evaluate_targets,
+    online_figures,
+    percentile,
+    run_online,
+    write_reports,
+)
+from megactx.cli import main
+from megactx.testing import make_random_checkpoint
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_random_checkpoint(tmp_path_factory.mktemp("ckpt"), preset="tiny", seed=2)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny shapes run fastest on one torch thread (what a CPU run of the benchmark uses too)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ------------------------------------------------------------------------------ figures
+@pytest.mark.parametrize("n", [1, 2, 7, 100])
+def test_percentile_equals_torch_quantile(n):
+    values = torch.rand(n, generator=torch.Generator().manual_seed(n), dtype=torch.float64)
+    for q in (0, 1, 50, 90, 99, 100):
+        assert percentile(values.tolist(), q) == pytest.approx(float(torch.quantile(values, q / 100)))
+    with pytest.raises(ValueError, match="no values"):
+        percentile([], 50)
+
+
+# ------------------------------------------------------------------------------ offline, CPU
+def test_offline_run_of_both_engines_writes_the_reports(ckpt, tmp_path, capsys):
+    batches, prompt_len, output_len = (1, 3), 8, 4
+    code = main(["bench", "engine", "--device", "cpu", "--model", str(ckpt), "--batches", "1,3", "--prompt-len",
+                 str(prompt_len), "--output-len", str(output_len), "--no-online", "--out", str(tmp_path)])
+    assert code == 0
+    written = capsys.readouterr().out.split()
+    assert [p.rsplit("/", 1)[1] for p in written] == ["engine-cpu.json", "engine-cpu.md", "engine-cpu.png"]
+    results = json.loads((tmp_path / "engine-cpu.json").read_text())
+    assert results["skipped"] == [] and results["online"] is None
+    runs = {(d["engine"], d["batch"]): RunFigures.from_dict(d) for d in results["offline"]}
+    assert set(runs) == {(e, b) for e in (MEGACTX, TRANSFORMERS) for b in batches}
+    reps = results["settings"]["reps"]
+    for (_, batch), f in runs.items():
+        assert f.output_tokens == batch * output_len and f.requests == batch
+        assert len(f.detail["walls_s"]) == reps and f.wall_s == sorted(f.detail["walls_s"])[reps // 2]
+        assert f.tokens_per_s == pytest.approx(f.output_tokens / f.wall_s)
+        assert f.ttft_s["n"] == batch * reps and f.itl_s["n"] == batch * (output_len - 1) * reps
+        assert 0 < f.ttft_s["p50"] <= f.ttft_s["p99"] <= f.latency_s["p99"] <= max(f.detail["walls_s"])
+        assert f.detail["steps"] == output_len  # one token a request a decoding step, the first from the prefill
+    for batch in batches:  # fp32, greedy, same prompts: the peer computes the same tokens
+        assert runs[TRANSFORMERS, batch].detail["same_tokens_as_megactx"] == batch
+    md = (tmp_path / "engine-cpu.md").read_text()
+    assert "**CPU run**" in md and "| 3 | megactx |" in md and "| 3 | transformers |" in md
+    assert "batch 64 not in this run" in md and "disabled (--no-online)" in md
+    assert (tmp_path / "engine-cpu.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("flags,named", [(["--batches", "0"], "--batches"), (["--output-len", "0"], "--output-len"),
+                                         (["--threads", "0"], "--threads")])
+def test_bad_sizes_fail_with_the_flag_named(ckpt, tmp_path, flags, named, capsys):
+    assert main(["bench", "engine", "--device", "cpu", "--model", str(ckpt), "--out", str(tmp_path), *flags]) == 2
+    assert named in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")
+def test_cuda_without_a_gpu_is_refused(capsys):
+    assert main(["bench", "engine", "--device", "cuda"]) == 2
+    assert "--device cpu" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ online client
+class _FakeOpenAI(BaseHTTPRequestHandler):
+    """/v1/completions streaming one chunk a token. Every request waits at a barrier of
+    `concurrency` parties, so a round only completes if the client keeps that many in flight."""
+
+    barrier: threading.Barrier
+    model = "fake"
+
+    def log_message(self, *args) -> None:  # keep pytest's output clean
+        pass
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if body["model"] != self.model:
+            self._json(404, {"error": {"message": f"model {body['model']!r} not found"}})
+            return
+        try:
+            self.barrier.wait(timeout=30)
+        except threading.BrokenBarrierError:
+            self._json(500, {"error": {"message": "fewer clients in flight than the barrier expects"}})
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for i in range(body["max_tokens"]):
+            self._event({"choices": [{"index": 0, "text": f"t{i}", "finish_reason": None}]})
+        if body.get("stream_options", {}).get("include_usage"):
+            self._event({"choices": [], "usage": {"prompt_tokens": len(body["prompt"]),
+                                                  "completion_tokens": body["max_tokens"]}})
+        self.wfile.write(b"data: [DONE]\n\n")
+
+    def _event(self, data: dict) -> None:
+        self.wfile.write(b"data: " + json.dumps(data).encode() + b"\n\n")
+        self.wfile.flush()
+
+    def _json(self, status: int, data: dict) -> None:
+        payload = json.dumps(data).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+
+@pytest.fixture
+def fake_server():
+    def start(concurrency: int):
+        handler = type("Handler", (_FakeOpenAI,), {"barrier": threading.Barrier(concurrency)})
+        server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        servers.append(server)
+        return server.server_address
+
+    servers: list[ThreadingHTTPServer] = []
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("usage", [True, False])
+def test_clients_keep_the_concurrency_and_count_the_tokens(fake_server, usage):
+    concurrency, requests, max_tokens = 4, 8, 5
+    host, port = fake_server(concurrency)
+    prompts = [[1, 2, 3]] * requests
+    bodies = completion_bodies("fake", prompts, max_tokens)
+    if not usage:
+        for body in bodies:
+            del body["stream_options"]
+    results, wall = client_round(host, port, bodies, concurrency, timeout_s=60)
+    assert len(results) == requests
+    for r in results:
+        assert r.chunks == max_tokens and 0 < r.ttft_s <= r.latency_s <= wall
+        assert r.completion_tokens == (max_tokens if usage else None)
+    s = Settings("cpu", [concurrency], prompt_len=3, output_len=max_tokens, concurrency=concurrency)
+    f = online_figures(results, wall, s)
+    assert (f.engine, f.batch, f.requests, f.output_tokens) == (SERVE, concurrency, requests, requests * max_tokens)
+    assert f.detail["tokens_counted_from"] == ("usage" if usage else "max_tokens")
+    assert f.requests_per_s == pytest.approx(requests / wall)
+
+
+def test_an_http_error_is_raised_with_the_servers_words(fake_server):
+    host, port = fake_server(1)
+    with pytest.raises(RuntimeError, match="HTTP 404.*'other' not found"):
+        client_round(host, port, completion_bodies("other", [[1]], 2), 1, timeout_s=60)
+
+
+def test_online_run_through_megactx_serve(ckpt):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    s = Settings("cpu", [2], prompt_len=8, output_len=4, warmup_len=2, concurrency=2, requests=4, threads=1,
+                 server_timeout_s=120, request_timeout_s=120)
+    said: list[str] = []
+    f = run_online(ckpt, s, vocab_size=256, log=said.append)
+    assert any("megactx serve is up" in line for line in said)
+    assert (f.engine, f.batch, f.requests) == (SERVE, 2, 4)
+    assert f.output_tokens == 4 * 4 and f.detail["tokens_counted_from"] == "usage"
+    assert f.ttft_s["n"] == 4 and f.ttft_s["p99"] <= f.latency_s["p99"] <= f.wall_s
+
+
+def test_a_server_that_cannot_start_is_reported_with_its_output(tmp_path):
+    s = Settings("cpu", [1], prompt_len=4, output_len=2, concurrency=1, requests=1, server_timeout_s=60)
+    with pytest.raises(RuntimeError, match="exited with code 2.*--model"):
+        run_online(tmp_path / "no-such-checkpoint", s, vocab_size=16, log=lambda _: None)
+
+
+# ------------------------------------------------------------------------------ reports
+def _run(engine: str, batch: int, tokens_per_s: float, requests: int | None = None) -> dict:
+    requests = requests or batch
+    output_len = 128
+    wall = requests * output_len / tokens_per_s
+    lat = {"p50": 0.01 * batch, "p99": 0.02 * batch, "mean": 0.015 * batch, "n": requests}
+    return RunFigures(engine, batch, requests, 128, output_len, requests * output_len, wall, lat,
+                      None if engine == SERVE else {k: v / 10 for k, v in lat.items()} | {"n": requests * 127},
+                      lat | {"p50": wall / 2, "p99": wall}).to_dict()
+
+
+def _fake_results(device: str, ours_64: float, peer_64: float, online_64: float | None) -> dict:
+    machine = {"device": device, "gpu": "Fake GPU 2" if device == "cuda" else None, "date": "2026-01-01T00:00:00",
+               "torch": "2.11", "triton": "3.6", "python": "3.11", "cpu": "x86_64"}
+    offline = [_run(MEGACTX, 1, 100.0), _run(TRANSFORMERS, 1, 50.0), _run(MEGACTX, 16, 1500.0),
+               _run(TRANSFORMERS, 16, 400.0), _run(MEGACTX, 64, ours_64), _run(TRANSFORMERS, 64, peer_64)]
+    settings = Settings(device).to_dict()
+    return {"schema": "megactx-bench-engine/1", "machine": machine, "settings": settings,
+            "model": {"path": "/models/tiny", "random_weights": True, "model_type": "glm_moe_dsa", "layers": 8,
+                      "hidden_size": 256, "vocab_size": 4096, "params": 10_200_000, "transformers": "5.24.0"},
+            "offline": offline, "online": online_64 and _run(SERVE, 64, online_64, requests=256),
+            "skipped": [] if online_64 else [{"step": "online", "reason": "RuntimeError: the server fell over"}]}
+
+
+@pytest.mark.parametrize("ours,peer,online,speedup_ok,overhead_ok", [
+    (6000.0, 500.0, 5700.0, True, True),  # 12x; 5% overhead
+    (6000.0, 1000.0, 4800.0, False, False),  # 6x; 20% overhead
+])
+def test_targets_compare_the_right_figures(ours, peer, online, speedup_ok, overhead_ok):
+    speedup, overhead = evaluate_targets(_fake_results("cuda", ours, peer, online))
+    assert speedup["passed"] is speedup_ok and f"{ours / peer:.3g}x" in speedup["figure"]
+    assert overhead["passed"] is overhead_ok and f"{1 - online / ours:.1%}" in overhead["figure"]
+
+
+def test_targets_are_undecided_on_a_cpu_or_without_the_figures():
+    speedup, overhead = evaluate_targets(_fake_results("cpu", 6000.0, 500.0, None))
+    assert speedup["passed"] is None and "12x" in speedup["figure"] and "GPU target" in speedup["note"]
+    assert overhead["passed"] is None and "the server fell over" in overhead["note"]
+
+
+def test_reports_render_from_fake_figures_and_again_from_the_json(tmp_path, capsys):
+    results = _fake_results("cuda", 6000.0, 500.0, 5700.0)
+    paths = write_reports(results, tmp_path)
+    assert [p.name for p in paths] == ["engine-fake-gpu-2.json", "engine-fake-gpu-2.md", "engine-fake-gpu-2.png"]
+    saved = json.loads(paths[0].read_text())
+    assert [t["passed"] for t in saved["targets"]] == [True, True]
+    md = paths[1].read_text()
+    assert "# megactx engine benchmark: Fake GPU 2" in md and "**Random weights**" in md
+    assert "| 64 | megactx | 6,000 | 12x |" in md  # tokens/s and the ratio to transformers at that batch
+    assert "| 64 | 256 |" in md and "5.0%" in md  # the online row: clients, requests, overhead
+    assert md.count("| pass") == 2 and "FAIL" not in md
+    assert paths[2].stat().st_size > 0
+    again = tmp_path / "again"
+    assert main(["bench", "engine", "--from-json", str(paths[0]), "--out", str(again)]) == 0
+    assert (again / "engine-fake-gpu-2.md").read_text() == md
+
+
+# ------------------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+def test_the_whole_benchmark_runs_on_a_gpu(ckpt, tmp_path):
+    from benchmarks.engine import EngineBench
+
+    s = Settings("cuda", [1, 4], prompt_len=32, output_len=8, warmup_len=2, concurrency=4, requests=8)
+    results = EngineBench(ckpt, True, s).run()
+    assert results["skipped"] == [], results["skipped"]
+    assert {(d["engine"], d["batch"]) for d in results["offline"]} == {
+        (e, b) for e in (MEGACTX, TRANSFORMERS) for b in (1, 4)}
+    assert all(d["output_tokens"] == d["batch"] * 8 for d in results["offline"])
+    assert results["online"]["output_tokens"] == 8 * 8
+    assert write_reports(results, tmp_path)[0].name == f"engine-{device_slug(results['machine'])}.json"
