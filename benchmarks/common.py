@@ -345,3 +345,22 @@ class Progress:
         if m.method == SAMPLED and "flop_fraction" in m.detail:
             parts.append(f"({m.detail['timed_chunks']}/{m.detail['total_chunks']} chunks)")
         self.log("  ".join(parts))
+
+
+def cubin_resource_usage(compiled) -> dict[str, str]:
+    """Registers a thread ("REG") and spill stack bytes ("STACK") of a compiled Triton kernel, read
+    with the cuobjdump that ships with Triton (no GPU needed); {} where the tool is missing."""
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        dump = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    return dict(part.split(":") for part in dump.split() if part.startswith(("REG:", "STACK:")))

@@ -1,7 +1,8 @@
-"""Tune the sparse MLA Triton kernel (`megactx.kernels.sparse_mla`) on a GPU.
+"""Tune the sparse MLA kernels (`megactx.kernels.sparse_mla`) on a GPU.
 
-Times every candidate tiling / pipeline depth, and for decode every split-K count, at GLM-5.2
-attention geometry (H = 64 heads, r = 512 latent + 64 rope, top-k 2048, a paged cache of 1M
+Times every candidate kernel ("triton", the portable one, and "sm90", the hand-pipelined Hopper
+one) with its tiling / pipeline depth, and for decode every split-K count, at GLM-5.2 attention
+geometry (H = 64 heads, r = 512 latent + 64 rope, top-k 2048, a paged cache of 1M
 tokens), for:
 
 - prefill: T = 4096 query tokens of one sequence at the end of a 1M-token context;
@@ -29,9 +30,10 @@ Usage (CUDA; about 3-4 minutes on an H200, much of it compilation):
     python -m benchmarks.tune_sparse_mla [--out benchmarks/results] [--budget-s 230]
     python -m benchmarks.tune_sparse_mla --static   # any machine: shared memory / registers / spills
 
-Prints one table a case and the best configuration of each case, and writes
-`tune_sparse_mla.json` and `tune_sparse_mla.md` into --out. The winners belong in
-`megactx.kernels.sparse_mla._launch_config` (and `choose_num_splits`).
+Prints one table a case, the best configuration of each case and, per case, the best "triton"
+against the best "sm90" launch, and writes `tune_sparse_mla.json` and `tune_sparse_mla.md` into
+--out. The winners belong in `megactx.kernels.sparse_mla._launch_config` (and `choose_num_splits`);
+where "sm90" wins, set `HOPPER_DEFAULT_KERNEL = "sm90"` there.
 """
 
 from __future__ import annotations
@@ -48,8 +50,17 @@ import torch
 import triton
 from triton.testing import do_bench
 
+from benchmarks.common import cubin_resource_usage
 from megactx.kernels import reference
-from megactx.kernels.sparse_mla import _launch_config, choose_num_splits, num_sms, sparse_mla
+from megactx.kernels.sparse_mla import (
+    HOPPER_DEFAULT_KERNEL,
+    SM90_BLOCK_H,
+    SM90_WARPS,
+    _launch_config,
+    choose_num_splits,
+    num_sms,
+    sparse_mla,
+)
 
 # GLM-5.2 attention geometry
 HEADS, RANK, ROPE, TOPK = 64, 512, 64, 2048
@@ -58,16 +69,14 @@ SHARE = 0.7  # of a token's slots that the next token of its sequence keeps (`lo
 PREFILL_TOKENS, DECODE_SEQS, VERIFY_TOKENS = 4096, 64, 4
 COPY_BYTES = 1 << 30
 
-# (block_h, block_n, num_stages, num_warps). Rows of a tile are requested (num_stages - 1) // 2 tiles
-# ahead (see `_launch_config`); 64-row tiles fit at most one tile ahead in shared memory. 32 heads
-# with 4 warps (two programs a token, Ampere-style MMAs, ~112 KiB: two programs an SM) for bf16 only:
-# with FP8 that variant spills heavily.
-CANDIDATES = {
-    False: [(64, 64, 2, 8), (64, 64, 3, 8), (64, 32, 3, 8), (64, 32, 5, 8), (64, 32, 7, 8), (64, 16, 9, 8),
-            (64, 16, 11, 8), (32, 32, 5, 4), (32, 64, 3, 4)],
-    True: [(64, 64, 2, 8), (64, 64, 3, 8), (64, 32, 3, 8), (64, 32, 5, 8), (64, 32, 7, 8), (64, 32, 9, 8),
-           (64, 16, 9, 8), (64, 16, 13, 8)],
-}
+# (kernel, block_h, block_n, num_stages, num_warps), the same for both caches. "triton": rows requested
+# (num_stages - 1) // 2 tiles ahead by Triton's pipeliner; its 32- and 16-row tiles (5-13 stages) and
+# 32-head blocks lost to 64 x 64 on the H200 (110-169 TFLOP/s against 216, see `_launch_config`) and
+# are no longer timed. "sm90": num_stages shared-memory tile buffers, rows requested num_stages - 1
+# tiles ahead (64-row tiles fit 2 buffers at GLM size, 32-row ones 4).
+CANDIDATES = [("triton", 64, 64, 2, 8), ("triton", 64, 64, 3, 8),
+              ("sm90", SM90_BLOCK_H, 64, 2, SM90_WARPS), ("sm90", SM90_BLOCK_H, 32, 4, SM90_WARPS),
+              ("sm90", SM90_BLOCK_H, 32, 3, SM90_WARPS)]
 SPLITS = (1, 2, 3, 4, 6, 8)  # decode / verify; prefill runs unsplit
 
 
@@ -114,13 +123,16 @@ class Case:
         return float(self.tokens * TOPK * self.row_bytes)
 
 
-def label(block_h: int, block_n: int, num_stages: int, num_warps: int) -> str:
+def label(kernel: str, block_h: int, block_n: int, num_stages: int, num_warps: int) -> str:
+    """"h64/bn64/s3/w8" for "triton" (as in earlier runs), "sm90/bn64/b2" (tile buffers) for "sm90"."""
+    if kernel == "sm90":
+        return f"sm90/bn{block_n}/b{num_stages}"
     return f"h{block_h}/bn{block_n}/s{num_stages}/w{num_warps}"
 
 
-def launch_of(block_h: int, block_n: int, num_stages: int, num_warps: int, num_splits: int) -> dict:
-    return {"block_h": block_h, "block_n": block_n, "num_stages": num_stages, "num_warps": num_warps,
-            "num_splits": num_splits}
+def launch_of(kernel: str, block_h: int, block_n: int, num_stages: int, num_warps: int, num_splits: int) -> dict:
+    return {"kernel": kernel, "block_h": block_h, "block_n": block_n, "num_stages": num_stages,
+            "num_warps": num_warps, "num_splits": num_splits}
 
 
 # ------------------------------------------------------------------------------------- inputs
@@ -244,7 +256,7 @@ def run_case(case: Case, cache: torch.Tensor, copy_gbps: float, failed: dict[str
         return bench_ms(lambda: sparse_mla(q, cache, slots_, scale, RANK, **launch), graph=case.decode)
 
     add_row(case, "default", None, time_launch(), copy_gbps, launch={}, note="no overrides: what the model runs")
-    for cand in CANDIDATES[case.fp8]:
+    for cand in CANDIDATES:
         name = label(*cand)
         if name in failed:
             add_row(case, name, None, None, copy_gbps, note=f"skipped: {failed[name]}")
@@ -271,9 +283,11 @@ def run_case(case: Case, cache: torch.Tensor, copy_gbps: float, failed: dict[str
         add_row(case, "reference.sparse_mla", None, ms, copy_gbps, note="peer: the plain-PyTorch twin")
 
 
-def best_row(case: Case) -> Row | None:
-    """The fastest sparse_mla launch of a case (rows sorted or not: only as the case draws them)."""
-    timed = [r for r in case.rows if r.ms is not None and r.launch is not None and not r.variant]
+def best_row(case: Case, kernel: str | None = None) -> Row | None:
+    """The fastest sparse_mla launch of a case (rows sorted or not: only as the case draws them), of
+    `kernel`'s candidates only when given."""
+    timed = [r for r in case.rows if r.ms is not None and r.launch is not None and not r.variant
+             and (kernel is None or r.launch.get("kernel") == kernel)]
     return min(timed, key=lambda r: r.ms) if timed else None
 
 
@@ -286,43 +300,45 @@ def meets_target(case: Case, row: Row) -> str:
 
 
 # ------------------------------------------------------------------------------------- static
-def static_profile(fp8: bool, block_h: int, block_n: int, num_stages: int, num_warps: int) -> str:
-    """What the compiled sm_90 kernel of a candidate needs, without a GPU: shared memory, registers
-    a thread, and the spill stack (from cuobjdump, which ships with Triton). Uses Triton's internal
-    compile API (triton.compiler.ASTSource), so it may need adjusting on other Triton versions."""
-    import os
-    import subprocess
-    import tempfile
-
+def compile_static(kernel: str, fp8: bool, block_h: int, block_n: int, num_stages: int, num_warps: int,
+                   rank: int = RANK, rope: int = ROPE):
+    """Compile a candidate for sm_90 without a GPU (ptxas ships with Triton) and return Triton's
+    compiled kernel (`.metadata.shared` bytes, `.asm["cubin"]`, ...). Uses Triton's internal compile
+    API (ASTSource, GluonASTSource), so it may need adjusting on other Triton versions."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource
 
     from megactx.kernels import sparse_mla as kernels
 
-    fn = kernels._sparse_mla_fwd
+    group = reference.SCALE_GROUP
     pointers = {"q_ptr": "*bf16", "kv_ptr": "*u8" if fp8 else "*bf16", "kv_f32_ptr": "*fp32" if fp8 else "*bf16",
                 "kv_bf16_ptr": "*bf16", "slots_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32"}
-    constants = {"R": RANK, "DR": ROPE, "BLOCK_R": RANK, "BLOCK_DR": ROPE, "BLOCK_H": block_h, "BLOCK_N": block_n,
-                 "PAGE": reference.BLOCK_SIZE, "GROUP": reference.SCALE_GROUP, "NG": RANK // reference.SCALE_GROUP,
-                 "FP8": fp8, "DOT_F32": False}
+    constants = {"R": rank, "DR": rope, "BLOCK_H": block_h, "BLOCK_N": block_n, "PAGE": reference.BLOCK_SIZE,
+                 "GROUP": group, "FP8": fp8}
+    if kernel == "sm90":
+        fn, source = kernels._sparse_mla_fwd_sm90, GluonASTSource
+        constants |= {"NUM_BUF": num_stages, "num_warps": num_warps}
+    else:
+        fn, source = kernels._sparse_mla_fwd, ASTSource
+        constants |= {"BLOCK_R": rank, "BLOCK_DR": rope, "NG": max(1, rank // group), "DOT_F32": False}
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in pointers or name.startswith("stride"):  # 16-byte aligned, as at GLM geometry
             attrs[(i,)] = [["tt.divisibility", 16]]
         signature[name] = (pointers.get(name) or ("constexpr" if name in constants else
                            "fp32" if name == "qk_scale" else "i32"))
-    compiled = triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages})
-    usage = ""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if os.path.exists(tool):
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(compiled.asm["cubin"])
-            f.flush()
-            dump = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-        fields = dict(part.split(":") for part in dump.split() if part.startswith(("REG:", "STACK:")))
-        usage = f", {fields.get('REG', '?')} registers, {fields.get('STACK', '?')} B spill stack"
-    return f"{compiled.metadata.shared / 1024:.0f} KiB shared{usage}"
+    return triton.compile(source(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def static_profile(fp8: bool, kernel: str, block_h: int, block_n: int, num_stages: int, num_warps: int) -> str:
+    """What the compiled sm_90 kernel of a candidate needs, without a GPU: shared memory, registers
+    a thread, and the spill stack (from cuobjdump, which ships with Triton)."""
+    compiled = compile_static(kernel, fp8, block_h, block_n, num_stages, num_warps)
+    fields = cubin_resource_usage(compiled)
+    usage = f", {fields.get('REG', '?')} registers, {fields.get('STACK', '?')} B spill stack" if fields else ""
+    return f"{compiled.metadata.shared} B shared{usage}"
 
 
 # ------------------------------------------------------------------------------------- report
@@ -354,6 +370,27 @@ def summary(cases: list[Case], copy_gbps: float) -> str:
     return "\n".join(lines)
 
 
+def kernel_verdict(cases: list[Case]) -> str:
+    """The best "triton" against the best "sm90" launch of every case, and what to set."""
+    lines = ["| case | best triton | TFLOP/s | best sm90 | TFLOP/s | sm90 / triton |", "|---|---|---|---|---|---|"]
+    wins = total = 0
+    for c in cases:
+        t, h = best_row(c, "triton"), best_row(c, "sm90")
+        if t is None or h is None:
+            continue
+        total += 1
+        wins += h.ms < t.ms
+        lines.append(f"| {c.name} | {t.config} x{t.splits} | {t.tflops:.1f} | {h.config} x{h.splits} | "
+                     f"{h.tflops:.1f} | {t.ms / h.ms:.2f}x |")
+    if total:
+        advice = ('set HOPPER_DEFAULT_KERNEL = "sm90" in megactx/kernels/sparse_mla.py' if wins == total else
+                  'keep HOPPER_DEFAULT_KERNEL = "triton"' if wins == 0 else
+                  "sm90 wins only some cases: choose per case in sparse_mla (prefill / decode)")
+        lines += ["", f"sm90 faster in {wins} of {total} cases: {advice} (`_launch_config` gives sm90 64-row "
+                      "tiles and 2 buffers; the table shows each case's best)."]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results",
@@ -365,8 +402,8 @@ def main(argv: list[str] | None = None) -> int:
                              "registers and spills")
     args = parser.parse_args(argv)
     if args.static:
-        for fp8, candidates in CANDIDATES.items():
-            for cand in candidates:
+        for fp8 in (False, True):
+            for cand in CANDIDATES:
                 print(f"{'fp8 ' if fp8 else 'bf16'} {label(*cand)}: {static_profile(fp8, *cand)}", flush=True)
         return 0
     if not torch.cuda.is_available():
@@ -384,8 +421,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # Check every candidate, unsplit and split, before timing anything; a failed one is skipped.
     failed: dict[bool, dict[str, str]] = {False: {}, True: {}}
-    for fp8, candidates in CANDIDATES.items():
-        for cand in candidates:
+    for fp8 in (False, True):
+        for cand in CANDIDATES:
             name = label(*cand)
             for splits in (1, 3):
                 why = check_candidate(fp8, launch_of(*cand, splits), gen)
@@ -408,16 +445,19 @@ def main(argv: list[str] | None = None) -> int:
         cache = random_cache(CACHE_TOKENS, fp8, gen)
         for case in (c for c in cases if c.fp8 == fp8):
             run_case(case, cache, copy_gbps, failed[fp8], deadline, gen)
-            cfg = _launch_config(HEADS, TOPK, RANK, fp8)
+            cfg = _launch_config(HEADS, TOPK, RANK, fp8, HOPPER_DEFAULT_KERNEL)
             auto = choose_num_splits(case.tokens * math.ceil(HEADS / cfg.block_h), math.ceil(TOPK / cfg.block_n), sms)
-            print(f"\n## {case.name}: default {label(cfg.block_h, cfg.block_n, cfg.num_stages, cfg.num_warps)}, "
+            print(f"\n## {case.name}: default "
+                  f"{label(cfg.kernel, cfg.block_h, cfg.block_n, cfg.num_stages, cfg.num_warps)}, "
                   f"{auto} split(s) "
                   f"({time.perf_counter() - start:.0f} s)\n{table(case)}", flush=True)
         del cache
         torch.cuda.empty_cache()
 
     text = summary(cases, copy_gbps)
+    verdict = kernel_verdict(cases)
     print("\n## Best configuration a case\n" + text, flush=True)
+    print("\n## triton against sm90\n" + verdict, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     info = {"device": props.name, "sms": sms, "torch": torch.__version__, "triton": triton.__version__,
             "copy_gbps": copy_gbps,
@@ -429,7 +469,8 @@ def main(argv: list[str] | None = None) -> int:
             "seconds": time.perf_counter() - start}
     (args.out / "tune_sparse_mla.json").write_text(json.dumps(info, indent=1))
     md = [f"# Sparse MLA tuning on {props.name}", "", f"torch {torch.__version__}, triton {triton.__version__}, "
-          f"{sms} SMs; `python -m benchmarks.tune_sparse_mla`", "", text, ""]
+          f"{sms} SMs; `python -m benchmarks.tune_sparse_mla`", "", text, "", "## triton against sm90", "",
+          verdict, ""]
     for c in cases:
         md += [f"## {c.name}", "", table(c), ""]
     (args.out / "tune_sparse_mla.md").write_text("\n".join(md))

@@ -7,7 +7,17 @@ import pytest
 import torch
 
 from megactx.kernels import reference as ref
-from megactx.kernels.indexer import indexer_logits, indexer_topk_chunked
+from megactx.kernels.indexer import (
+    FP8_COLUMNS,
+    FP8_MAX_REGISTERS,
+    MAX_WAVES,
+    PROGRAM_OVERHEAD_TILES,
+    PROGRAMS_PER_SM,
+    choose_num_splits,
+    indexer_logits,
+    indexer_topk_chunked,
+    launch_config,
+)
 from megactx.model.quant import FP8, hadamard, quantize_rows
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -78,8 +88,7 @@ def _assert_close_to_twin(got, want):
 
 
 # ------------------------------------------------------------------------------ kernel vs twin
-@pytest.mark.parametrize("DI", [64, 128])
-@pytest.mark.parametrize("HI", [4, 16, 32])
+@pytest.mark.parametrize("HI,DI", [(4, 64), (32, 64), (16, 128)])  # padded and unpadded heads, both widths
 def test_logits_match_twin_prefill_and_decode_rows(HI, DI):
     gen = torch.Generator().manual_seed(HI * 1000 + DI)
     cache, block_table, _ = _paged_keys(LENS, DI, gen)
@@ -92,19 +101,45 @@ def test_logits_match_twin_prefill_and_decode_rows(HI, DI):
     _assert_close_to_twin(got, ref.indexer_logits(q, w, cache, block_table, seq_idx, key_len, max_keys))
 
 
-@pytest.mark.parametrize("block_m,block_n", [(1, 64), (2, 128), (16, 64), (4, 256)])
-def test_logits_match_twin_any_tiling_and_row_order(block_m, block_n):
+# Launch variants: every tile shape and path of the kernel (None = the defaults: pages by TMA,
+# which the interpreter emulates; tma=False gathers by address; num_splits cuts every row's keys
+# at split boundaries that fall inside sequences and inside causal ranges).
+TILINGS = {
+    "bm1": dict(block_m=1), "bm2-bn128": dict(block_m=2, block_n=128), "gather": dict(tma=False),
+    "two-dots": dict(block_m=16, num_dots=2),
+    "splits3": dict(num_splits=3), "gather-splits2-dots": dict(tma=False, block_m=4, num_dots=2, num_splits=2),
+    "stages1": dict(num_stages=1, lone_stages=1),
+}
+
+
+@pytest.mark.parametrize("knobs", TILINGS.values(), ids=TILINGS.keys())
+def test_logits_match_twin_any_tiling_and_row_order(knobs):
     """Rows of different sequences interleaved (tiles of several groups), rows that see no key,
-    and tiles both narrower and wider than a sequence."""
+    and tiles both narrower and wider than a sequence, under every launch variant."""
     HI, DI = 16, 64
-    gen = torch.Generator().manual_seed(block_m * 7 + block_n)
+    gen = torch.Generator().manual_seed(len(str(knobs)))
     cache, block_table, _ = _paged_keys(LENS, DI, gen)
     seq_idx, key_len = _rows(LENS, prefill=[1], decode={0: 3, 2: 4, 3: 2, 4: 6})
     order = torch.randperm(len(seq_idx), generator=gen).to(DEVICE)
+    order[:20] = order[:20].sort().values  # some adjacent rows of one sequence: tiles of one group
     seq_idx, key_len = seq_idx[order], key_len[order]
     q, w = _fp8_queries(len(seq_idx), HI, DI, gen)
-    got = indexer_logits(q, w, cache, block_table, seq_idx, key_len, 300, block_m=block_m, block_n=block_n)
+    got = indexer_logits(q, w, cache, block_table, seq_idx, key_len, 300, **knobs)
     _assert_close_to_twin(got, ref.indexer_logits(q, w, cache, block_table, seq_idx, key_len, 300))
+
+
+def test_logits_causal_prefill_with_key_splits():
+    """A causal prefill cut into key splits: programs of the upper triangle only write -inf, the
+    split holding a row's diagonal ends mid-tile, and every element is written exactly once
+    (the output starts as torch.empty, so a missed element would not be -inf or the twin's)."""
+    HI, DI = 4, 64
+    gen = torch.Generator().manual_seed(3)
+    lens = (150,)
+    cache, block_table, _ = _paged_keys(lens, DI, gen)
+    seq_idx, key_len = _rows(lens, prefill=[0], decode={})
+    q, w = _fp8_queries(len(seq_idx), HI, DI, gen)
+    got = indexer_logits(q, w, cache, block_table, seq_idx, key_len, 150, num_splits=3)
+    _assert_close_to_twin(got, ref.indexer_logits(q, w, cache, block_table, seq_idx, key_len, 150))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -150,6 +185,48 @@ def test_logits_refuse_bad_inputs():
         indexer_logits(q8(32), w, cache[:, : 64 * (32 + 4)], table, one * 0, one, 64)
     with pytest.raises(ValueError, match="block_n"):
         indexer_logits(q8(64), w, cache, table, one * 0, one, 64, block_n=96)
+    for knobs, name in [(dict(block_m=3), "block_m"), (dict(num_dots=3), "num_dots"),
+                        (dict(block_m=1, num_dots=2), "num_dots"), (dict(num_splits=0), "num_splits"),
+                        (dict(num_stages=0), "num_stages"), (dict(tma=True, block_n=128), "tma"),
+                        (dict(max_registers=300), "max_registers")]:
+        with pytest.raises(ValueError, match=name):
+            indexer_logits(q8(64), w, cache, table, one * 0, one, 64, **knobs)
+
+
+# ------------------------------------------------------------------------------ launch config
+def test_launch_defaults_fill_one_fp8_dot_and_three_programs_an_sm():
+    """GLM-5.2 (32 heads) and DeepSeek-V3.2 (64) FP8 defaults: rows x heads = FP8_COLUMNS in one dot,
+    pages by TMA only where the device has it, the register cap that fits PROGRAMS_PER_SM programs."""
+    for HI in (32, 64):
+        cfg = launch_config(4096, HI, 128, 1 << 17, FP8, sms=132, tma_capable=True)
+        assert cfg.block_m * HI == FP8_COLUMNS and cfg.num_dots == 1 and cfg.tma and cfg.block_n == ref.BLOCK_SIZE
+        assert cfg.max_registers == FP8_MAX_REGISTERS and PROGRAMS_PER_SM * 128 * FP8_MAX_REGISTERS <= 65536
+        assert not launch_config(4096, HI, 128, 1 << 17, FP8, sms=132, tma_capable=False).tma
+    exact = launch_config(64, 4, 64, 1000, torch.float32, sms=8, tma_capable=True)
+    assert not exact.tma and exact.max_registers is None  # TMA is for the FP8 layout only
+
+
+@pytest.mark.parametrize("T,max_keys", [(1, 1), (64, 1 << 20), (4096, 1 << 17), (8192, 8192), (300, 129)])
+def test_launch_splits_cover_every_key_once(T, max_keys):
+    cfg = launch_config(T, 32, 128, max_keys, FP8, sms=132, tma_capable=True)
+    assert cfg.keys_per_split % cfg.block_n == 0
+    assert (cfg.num_splits - 1) * cfg.keys_per_split < max_keys <= cfg.num_splits * cfg.keys_per_split
+
+
+@pytest.mark.parametrize("row_blocks,tiles,sms", [(16, 16384, 132), (16, 512, 132), (1024, 512, 132), (3, 7, 8),
+                                                   (2048, 128, 132), (100, 1, 8)])
+def test_splits_minimise_the_wave_model(row_blocks, tiles, sms):
+    """The chosen split count costs no more, under the documented wave model, than any count a
+    launch of at most MAX_WAVES waves could use (the search only visits each wave count's largest)."""
+    slots = PROGRAMS_PER_SM * sms
+
+    def cost(s):
+        return -(-row_blocks * s // slots) * (-(-tiles // s) + PROGRAM_OVERHEAD_TILES)
+
+    allowed = [s for s in range(1, tiles + 1) if -(-row_blocks * s // slots) <= MAX_WAVES] or [1]
+    chosen = choose_num_splits(row_blocks, tiles, sms)
+    assert 1 <= chosen <= max(tiles, 1)
+    assert cost(chosen) == min(cost(s) for s in allowed)
 
 
 # ------------------------------------------------------------------------------ FP8 vs exact
@@ -248,3 +325,49 @@ def test_glm_geometry_8k_matches_twin(HI):
     slots = indexer_topk_chunked(q, w, cache, block_table, seq_idx, key_len, topk, chunk_tokens=16)
     want = ref.logical_to_slots(block_table, seq_idx, ref.topk_rows(logits, topk))
     _assert_same_topk(slots, want, logits, block_table, seq_idx)
+
+
+def _twin_by_rows(q, w, cache, block_table, seq_idx, key_len, max_keys, rows=16):
+    """reference.indexer_logits a few rows at a time: it gathers [rows, max_keys, DI] fp32 keys."""
+    return torch.cat([ref.indexer_logits(q[i : i + rows], w[i : i + rows], cache, block_table, seq_idx[i : i + rows],
+                                         key_len[i : i + rows], max_keys) for i in range(0, len(q), rows)])
+
+
+GPU_VARIANTS = {"default": {}, "gather": dict(tma=False), "gather-bn128": dict(tma=False, block_n=128),
+                "wide-two-dots": dict(num_dots=2, max_registers=255), "splits7": dict(num_splits=7),
+                "a-program-a-row": dict(block_m=1)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs", GPU_VARIANTS.values(), ids=GPU_VARIANTS.keys())
+@pytest.mark.parametrize("HI", [32, 64])
+def test_glm_geometry_launch_variants_match_twin(HI, knobs):
+    """Every launch variant at GLM-5.2 / DeepSeek-V3.2 geometry on the compiled GPU path: the last
+    rows of a 20K causal prefill, speculative-verify rows, lone decode rows over 9K keys, a row with
+    no key, interleaved; max_keys past every row."""
+    DI = 128
+    if knobs.get("num_dots") == 2:
+        knobs = dict(knobs, block_m=2 * FP8_COLUMNS // HI)  # 256 rows x heads in two dots
+    gen = torch.Generator().manual_seed(HI + len(knobs))
+    lens = (20000, 9001, 3000, 64, 1)
+    cache, block_table, _ = _paged_keys(lens, DI, gen)
+    seq_idx, key_len = _rows(lens, prefill=[], decode={0: 96, 1: 1, 2: 4, 3: 1, 4: 2})
+    order = torch.randperm(len(seq_idx), generator=gen).to(DEVICE)
+    order[:64] = order[:64].sort().values
+    seq_idx, key_len = seq_idx[order], key_len[order]
+    q, w = _fp8_queries(len(seq_idx), HI, DI, gen)
+    got = indexer_logits(q, w, cache, block_table, seq_idx, key_len, 20100, **knobs)
+    _assert_close_to_twin(got, _twin_by_rows(q, w, cache, block_table, seq_idx, key_len, 20100))
+
+
+@pytest.mark.gpu
+def test_glm_geometry_causal_chunk_matches_twin():
+    """A 512-row causal chunk at the end of a 16K prefill (the engine's shape, default launch)."""
+    HI, DI, L, C = 32, 128, 16384, 512
+    gen = torch.Generator().manual_seed(7)
+    cache, block_table, _ = _paged_keys((L,), DI, gen)
+    seq_idx = torch.zeros(C, dtype=torch.int32, device=DEVICE)
+    key_len = torch.arange(L - C + 1, L + 1, dtype=torch.int32, device=DEVICE)
+    q, w = _fp8_queries(C, HI, DI, gen)
+    got = indexer_logits(q, w, cache, block_table, seq_idx, key_len, L)
+    _assert_close_to_twin(got, _twin_by_rows(q, w, cache, block_table, seq_idx, key_len, L))

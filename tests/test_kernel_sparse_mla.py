@@ -3,21 +3,38 @@
 Error rule (DESIGN.md, the FlashAttention way): against the fp32 twin, the kernel's max error is at
 most 2x that of the same computation done in PyTorch at the kernel's precision (bf16 operands,
 bf16 scores and probabilities; fp32 when q or the cache is fp32), plus a small atol. Without a GPU
-the kernel runs in the Triton interpreter, so the CPU cases stay small; the GLM-5.2 geometry runs
-only on a GPU.
+the portable kernel runs in the Triton interpreter, so the CPU cases stay small; the GLM-5.2
+geometry runs only on a GPU. The Hopper kernel (kernel="sm90", Gluon: no interpreter) runs only on
+an sm_90 GPU; on a CPU its build for sm_90 is still checked.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from megactx.kernels import reference
-from megactx.kernels.sparse_mla import MAX_SPLITS, choose_num_splits, sparse_mla
+from megactx.kernels.sparse_mla import (
+    HOPPER_SMEM_BYTES,
+    MAX_SPLITS,
+    SM90_BLOCK_H,
+    SM90_WARPS,
+    choose_num_splits,
+    sm90_smem_bytes,
+    sm90_unsupported,
+    sparse_mla,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+needs_hopper = pytest.mark.skipif(not HOPPER, reason="kernel='sm90' needs a Hopper GPU")
 
 
 def _paged_case(T: int, H: int, r: int, dr: int, K: int, *, fp8: bool, context: int = 80,
@@ -230,8 +247,12 @@ def test_choose_num_splits_follows_the_wave_model():
                                                                   device=a["q"].device)}, "FP8 kv_cache needs"),
     (lambda a: {**a, "num_splits": 0}, "num_splits must be >= 1"),
     (lambda a: {**a, "block_n": 24}, "block_n must be a power of two"),
+    (lambda a: {**a, "num_stages": 0}, "num_stages must be >= 1"),
+    (lambda a: {**a, "kernel": "cuda"}, "kernel must be one of"),
+    # fp32 q: no device runs it with kernel='sm90' (bf16 wgmma operands)
+    (lambda a: {**a, "q": a["q"].float(), "kernel": "sm90"}, "kernel='sm90' cannot run this problem"),
 ], ids=["q-rank", "q-dtype", "cache-page", "cache-dtype", "cache-row", "slots-rows", "slots-dtype", "rank",
-        "fp8-rank", "splits", "block-n"])
+        "fp8-rank", "splits", "block-n", "stages", "kernel-name", "sm90-fp32-q"])
 def test_sparse_mla_rejects_bad_arguments(change, match):
     q, cache, slots, scale = _paged_case(3, 2, 128, 32, 8, fp8=False)
     args = change({"q": q, "kv_cache": cache, "topk_slots": slots, "softmax_scale": scale, "kv_lora_rank": 128})
@@ -279,7 +300,109 @@ def test_sparse_mla_split_k_glm52_empty_trailing_splits(fp8):
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
 @pytest.mark.parametrize("block_n,num_stages", [(64, 2), (64, 3), (32, 5), (32, 7), (16, 9)])
 def test_sparse_mla_pipeline_configs_glm52(block_n, num_stages, fp8):
-    # The tile / pipeline-depth candidates of benchmarks/tune_sparse_mla.py: deeper pipelines keep
-    # several gathered tiles in flight, which must not change the result.
+    # The Triton kernel's tile / pipeline-depth candidates of benchmarks/tune_sparse_mla.py: deeper
+    # pipelines keep several gathered tiles in flight, which must not change the result.
     q, cache, slots, scale = _paged_case(64, 64, 512, 64, 2048, fp8=fp8, context=4096, device="cuda", seed=56)
-    _check_against_twin(q, cache, slots, scale, 512, block_n=block_n, num_stages=num_stages, num_splits=1)
+    _check_against_twin(q, cache, slots, scale, 512, block_n=block_n, num_stages=num_stages, num_splits=1,
+                        kernel="triton")
+
+
+# ------------------------------------------------------------------------------ the Hopper kernel (kernel="sm90")
+def test_sm90_kernel_builds_for_hopper_within_shared_memory():
+    # Any machine: compile the Gluon kernel for sm_90 at GLM-5.2 geometry (ptxas ships with Triton),
+    # with a bf16 and an FP8 cache. Its shared memory must be what `sm90_smem_bytes` (the
+    # eligibility check) predicts, and fit. In a subprocess: the interpreter that conftest turns on
+    # without a GPU cannot compile for a device.
+    code = ("import json; from benchmarks.tune_sparse_mla import compile_static; "
+            f"print(json.dumps([compile_static('sm90', fp8, {SM90_BLOCK_H}, 64, 2, {SM90_WARPS}, rank=512, rope=64)"
+            ".metadata.shared for fp8 in (False, True)]))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    shared = json.loads(done.stdout.strip().splitlines()[-1])
+    assert shared == [sm90_smem_bytes(512, 64, 64, 2, fp8) for fp8 in (False, True)]
+    assert max(shared) <= HOPPER_SMEM_BYTES
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
+@pytest.mark.parametrize("K", [5, 64, 100])
+@pytest.mark.parametrize("r,dr", [(128, 32), (256, 64)])
+@pytest.mark.parametrize("H", [1, 3, 16, 80])
+def test_sm90_matches_twin(H, r, dr, K, fp8):
+    # The CPU cases on the Hopper kernel, plus H = 80: two blocks of 64 heads, the second mostly padding.
+    q, cache, slots, scale = _paged_case(6, H, r, dr, K, fp8=fp8, device="cuda", seed=H * 1000 + r + K)
+    if fp8:  # its FP8 path gave wrong results below r = 512 on the H200: it must refuse, not compute
+        assert "FP8" in sm90_unsupported(q, cache, r)
+        return
+    _check_against_twin(q, cache, slots, scale, r, kernel="sm90")
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_sm90_accepts_strided_q_and_int64_slots():
+    q, cache, slots, scale = _paged_case(5, 6, 128, 32, 30, fp8=False, device="cuda", seed=5)
+    q_strided = torch.cat([q, q], dim=1)[:, ::2]  # [T, H, D] with a head stride of 2 D
+    _check_against_twin(q_strided, cache, slots.long(), scale, 128, kernel="sm90")
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
+@pytest.mark.parametrize("H", [64, 16, 1])
+def test_sm90_matches_twin_glm52_geometry(H, fp8):
+    q, cache, slots, scale = _paged_case(64, H, 512, 64, 2048, fp8=fp8, context=4096, device="cuda", seed=52)
+    _check_against_twin(q, cache, slots, scale, 512, kernel="sm90")
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_sm90_glm52_padded_topk():
+    # 300 valid slots of 2048: most tiles hold no valid slot at all.
+    q, cache, slots, scale = _paged_case(64, 64, 512, 64, 2048, fp8=True, context=300, device="cuda", seed=53)
+    _check_against_twin(q, cache, slots, scale, 512, kernel="sm90")
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
+@pytest.mark.parametrize("T,num_splits", [(64, None), (64, 5), (256, None), (1, None)],
+                         ids=["decode64-auto", "decode64-5", "verify256-auto", "decode1-auto"])
+def test_sm90_split_k_glm52_decode(T, num_splits, fp8):
+    q, cache, slots, scale = _paged_case(T, 64, 512, 64, 2048, fp8=fp8, context=4096, device="cuda", seed=54 + T)
+    _check_against_twin(q, cache, slots, scale, 512, num_splits=num_splits, kernel="sm90")
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
+def test_sm90_split_k_glm52_empty_trailing_splits(fp8):
+    # Of 8 splits of 256 slots, split 0 is full, split 1 holds 44 valid slots and splits 2-7 none.
+    q, cache, slots, scale = _paged_case(64, 64, 512, 64, 2048, fp8=fp8, context=300, device="cuda", seed=55)
+    _check_against_twin(q, cache, _pad_at_end(slots), scale, 512, num_splits=8, kernel="sm90")
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
+@pytest.mark.parametrize("block_n,num_stages", [(64, 2), (32, 4), (32, 3)])
+def test_sm90_pipeline_configs_glm52(block_n, num_stages, fp8):
+    # The candidates of benchmarks/tune_sparse_mla.py: 1-3 tiles in flight while one is computed,
+    # every buffer and ring entry reused many times over the 2048 slots.
+    q, cache, slots, scale = _paged_case(64, 64, 512, 64, 2048, fp8=fp8, context=4096, device="cuda", seed=56)
+    _check_against_twin(q, cache, slots, scale, 512, block_n=block_n, num_stages=num_stages, num_splits=1,
+                        kernel="sm90")
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_sm90_and_triton_kernels_agree_glm52():
+    # Both kernels at bf16 on the same problem: each within the error rule, and near each other
+    # (their difference is rounding: p and c in bf16 either way, different summation orders).
+    q, cache, slots, scale = _paged_case(64, 64, 512, 64, 2048, fp8=False, context=4096, device="cuda", seed=57)
+    out_t, lse_t = sparse_mla(q, cache, slots, scale, 512, kernel="triton")
+    out_h, lse_h = sparse_mla(q, cache, slots, scale, 512, kernel="sm90")
+    torch.testing.assert_close(out_h.float(), out_t.float(), rtol=0.02, atol=0.02)
+    torch.testing.assert_close(lse_h, lse_t, rtol=1e-3, atol=1e-3)

@@ -6,16 +6,28 @@ query token brings its own top-k row, so a decode step with 1–8 tokens a seque
 
 Tiling (FlashMLA-style): one program per (query token, block of BLOCK_H heads, split of the top-k).
 The heads of a token share every key, so the program gathers a tile of BLOCK_N cached rows once and
-uses it twice: as keys (scores = q_lat·cᵀ + q_pe·k_peᵀ, a [BLOCK_H, BLOCK_N] tl.dot) and as values
+uses it twice: as keys (scores = q_lat·cᵀ + q_pe·k_peᵀ, a [BLOCK_H, BLOCK_N] dot) and as values
 (acc [BLOCK_H, r] += p·c). The softmax is online, in fp32, in base 2 (log2 e folded into the
-scale). Heads are padded to at least 16 rows with masks so that tl.dot always gets a legal tile.
-FP8 caches are dequantized on load (e4m3 · fp32 scale per 128 latent values; bf16 rope) and then
-fed to the same bf16 dots as a bf16 cache.
+scale). FP8 caches are dequantized once a tile (e4m3 · fp32 scale per 128 latent values; bf16
+rope) and then fed to the same bf16 dots as a bf16 cache.
 
-Pipelining: the gather's addresses come from another load (the slot ids), and Triton's pipeliner
-then splits its stages between the two loads: the rows of a tile are requested
-(num_stages - 1) // 2 iterations ahead, so 2 stages leave each gather's latency exposed and 5 keep
-two tiles in flight (see `_launch_config` for the measurements and the shared-memory budget).
+Two kernels implement this, with one contract (`LaunchConfig.kernel` picks):
+
+- "triton" (`_sparse_mla_fwd`): portable Triton, for the CPU interpreter, fp32 inputs and any GPU.
+  Heads are padded to at least 16 rows with masks so that tl.dot always gets a legal tile. Triton's
+  software pipeliner decides where the next tile's gather goes: the slot-id load and the gather
+  split its stages, and the gather is issued after the current tile's dots, so with the two tile
+  buffers that shared memory holds at GLM size most of each gather's latency is exposed. On Hopper
+  it also gives the score dot's MMA all 8 warps along the heads, so both warpgroups compute every
+  score.
+- "sm90" (`_sparse_mla_fwd_sm90`): Hopper only, written in Gluon (Triton's explicit-layout dialect)
+  to schedule by hand. NUM_BUF shared-memory tile buffers; once tile i's score MMA is issued, the
+  warps request the rows of tile i + NUM_BUF - 1 with cp.async (their slot ids came through
+  cp.async too, a tile earlier), so each gather overlaps whole tiles of math. The two warpgroups
+  split the keys of the score MMA (64 heads x BLOCK_N / 2 keys each) and the value columns of the
+  p·c MMA (r / 2 each), exchanging p through shared memory. FP8 rows land raw and are dequantized
+  into one bf16 operand buffer. Heads come in blocks of 64 (wgmma's M for one warpgroup), bf16 q,
+  power-of-two r and dr.
 
 Split-K (flash-decoding): a decode batch has too few (token, head block) programs to fill the GPU
 (64 tokens x 1 head block on 132 SMs), so the top-k of each token is cut into `num_splits` chunks
@@ -37,12 +49,19 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as _cp
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from megactx.kernels.common import INTERPRET, check_device
 from megactx.kernels.reference import BLOCK_SIZE, SCALE_GROUP
 
 _LOG2E = 1.4426950408889634
 _LN2 = tl.constexpr(0.6931471805599453)  # ln 2: base-2 scores back to natural log
+# Gluon renamed these between Triton 3.6 (the GPU machine's) and 3.9: take whichever this Triton has.
+_async_load = getattr(_cp, "async_load", None) or _cp.async_copy_global_to_shared
+_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 # SMs assumed under the interpreter (no device to ask); small, so that CPU tests exercise splits.
 INTERPRET_NUM_SMS = 8
@@ -54,7 +73,20 @@ SPLIT_OVERHEAD_TILES = 1
 MAX_SPLITS = 64  # bounds the scratch: T x splits x H x r fp32
 COMBINE_HEADS = 16  # heads a combine program merges: [16, r] fp32 suits 4 warps; T x H / 16 programs
 
+# The Hopper kernel: two warpgroups (8 warps) over a block of 64 heads, wgmma's M for one warpgroup.
+SM90_BLOCK_H = 64
+SM90_WARPS = 8
+HOPPER_SMEM_BYTES = 227 * 1024  # shared memory an sm_90 block can opt into
+# Scratch of the softmax (p exchanged between the warpgroups, the row max), measured on the compiled
+# kernel at GLM geometry with Triton 3.6 and 3.9.
+SM90_SCRATCH_BYTES = 4096
+# Which kernel sparse_mla runs on Hopper when both can serve a problem. "triton" until
+# benchmarks.tune_sparse_mla shows "sm90" faster on the H200 (see `_launch_config`).
+HOPPER_DEFAULT_KERNEL = "sm90"
+KERNELS = ("triton", "sm90")
 
+
+# ------------------------------------------------------------------------------ the portable kernel (Triton)
 @triton.jit
 def _gather_rows(kv_ptr, kv_f32_ptr, kv_bf16_ptr, slot, stride_kb, stride_ks,
                  R: tl.constexpr, DR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
@@ -221,14 +253,239 @@ def _combine_splits(part_ptr, part_lse_ptr, out_ptr, lse_ptr, H, num_splits,
     tl.store(lse_ptr + t * H + offs_h, lse, mask=mask_h)
 
 
+# ------------------------------------------------------------------------------ the Hopper kernel (Gluon)
+@gluon.constexpr_function
+def _copy_layout(cols, elem_bytes, num_warps):
+    """Registers of a [rows, cols] copy: 16-byte vectors, a warp's lanes along a row, warps down the rows."""
+    vec = max(1, 16 // elem_bytes)
+    lanes = max(1, min(32, cols // vec))
+    return gl.BlockedLayout([1, vec], [32 // lanes, lanes], [num_warps, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _mma_layout(cols, num_warps):
+    """wgmma accumulator [64, cols]: warpgroup g of num_warps / 4 owns the columns [g cols / n, (g + 1) cols / n)."""
+    groups = num_warps // 4
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, groups],
+                                     instr_shape=[16, min(256, cols // groups), 16])
+
+
+@gluon.jit
+def _row_offset(slot, stride_kb, stride_ks, PAGE: gl.constexpr):
+    """Start of each slot's cache row (elements; bytes for FP8); -1 slots point at slot 0 (never read)."""
+    s = gl.where(slot >= 0, slot, 0).to(gl.int64)  # int64: 1M slots x 576 elements passes 2^31
+    return (s // PAGE) * stride_kb + (s % PAGE) * stride_ks
+
+
+@gluon.jit
+def _issue_tile(kv_ptr, kv_f32_ptr, kv_bf16_ptr, slot_lat, slot_pe, slot_sc, lat_dst, pe_dst, sc_bufs, buf,
+                stride_kb, stride_ks,
+                R: gl.constexpr, DR: gl.constexpr, NG: gl.constexpr, PAGE: gl.constexpr, FP8: gl.constexpr,
+                LAT_COPY: gl.constexpr, PE_COPY: gl.constexpr):
+    """Start (cp.async, not waited) copying the cached rows of one key tile into shared memory.
+
+    slot_lat / slot_pe / slot_sc: the tile's [BLOCK_N] slots (-1 = none: zeros, no traffic) in the
+    layouts of the copies. lat_dst [BLOCK_N, R] gets the latent as stored (bf16, or e4m3 bytes for
+    FP8), pe_dst [BLOCK_N, DR] the bf16 rope key and, for FP8, rows buf * NG .. of sc_bufs
+    [NUM_BUF * NG, BLOCK_N] the fp32 scales transposed (group-major, so dequantization reads a
+    group's scales as one row)."""
+    offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, LAT_COPY))
+    offs_dr = gl.arange(0, DR, layout=gl.SliceLayout(0, PE_COPY))
+    row_lat = _row_offset(slot_lat, stride_kb, stride_ks, PAGE)
+    row_pe = _row_offset(slot_pe, stride_kb, stride_ks, PAGE)
+    _async_load(lat_dst, kv_ptr + row_lat[:, None] + offs_r[None, :], mask=(slot_lat >= 0)[:, None])
+    if FP8:
+        # Row bytes: R e4m3 | NG fp32 scales | DR bf16; kv_f32_ptr / kv_bf16_ptr view the same bytes.
+        sc_ptr = kv_f32_ptr + _row_offset(slot_sc, stride_kb, stride_ks, PAGE) // 4 + R // 4
+        for g in gl.static_range(NG):
+            _async_load(sc_bufs.index(buf * NG + g), sc_ptr + g, mask=slot_sc >= 0)
+        _async_load(pe_dst, kv_bf16_ptr + (row_pe // 2 + (R + 4 * NG) // 2)[:, None] + offs_dr[None, :],
+                    mask=(slot_pe >= 0)[:, None])
+    else:
+        _async_load(pe_dst, kv_ptr + row_pe[:, None] + R + offs_dr[None, :], mask=(slot_pe >= 0)[:, None])
+
+
+@gluon.jit
+def _ring_slots(ring, tile, k_lo, k_hi, BLOCK_N: gl.constexpr, RING: gl.constexpr, LAYOUT: gl.constexpr):
+    """Tile `tile`'s [BLOCK_N] slots from the shared-memory ring, in LAYOUT; past k_hi -1 (the ring's
+    copy zero-filled them)."""
+    offs = k_lo + tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=LAYOUT)
+    return gl.where(offs < k_hi, ring.index(tile % RING).load(LAYOUT), -1)
+
+
+# num_splits and num_head_blocks only enter the program-id arithmetic (as in `_sparse_mla_fwd`).
+@gluon.jit(do_not_specialize=["num_head_blocks", "num_splits"])
+def _sparse_mla_fwd_sm90(
+    q_ptr, kv_ptr, kv_f32_ptr, kv_bf16_ptr, slots_ptr, out_ptr, lse_ptr,
+    qk_scale, H, K, split_len, num_head_blocks, num_splits,
+    stride_qt, stride_qh, stride_st,
+    stride_ot, stride_os, stride_oh,
+    stride_lt, stride_ls,
+    stride_kb, stride_ks,
+    R: gl.constexpr, DR: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
+    PAGE: gl.constexpr, GROUP: gl.constexpr, FP8: gl.constexpr, num_warps: gl.constexpr,
+):
+    """`_sparse_mla_fwd`'s contract (same arguments but for the tiling constants; bf16 q, r and dr
+    powers of two, NUM_BUF >= 2) for sm_90, pipelined by hand.
+
+    Copy groups: group i (i < 0: the prologue's) holds the rows of tile i + NUM_BUF - 1 and the slot
+    ids of tile i + 2 NUM_BUF - 2, which land in a shared-memory ring of 2 NUM_BUF tiles. At the
+    top of tile i, waiting until at most NUM_BUF - 2 groups are pending completes group
+    i - NUM_BUF + 1: tile i's rows and the slot ids of tile i + NUM_BUF - 1, whose rows are
+    requested next. So no global load is outstanding at a proxy fence (a fence waits for this
+    thread's loads: the slot ids come through cp.async too), and with 2 buffers none of the rows
+    either (the fence precedes the next request)."""
+    NG: gl.constexpr = R // GROUP
+    RING: gl.constexpr = 2 * NUM_BUF
+    S_MMA: gl.constexpr = _mma_layout(BLOCK_N, num_warps)  # scores: each warpgroup BLOCK_N / 2 keys
+    O_MMA: gl.constexpr = _mma_layout(R, num_warps)  # acc: each warpgroup r / 2 value columns
+    P_DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_MMA, k_width=2)  # p, all keys a warpgroup
+    LAT_COPY: gl.constexpr = _copy_layout(R, 1 if FP8 else 2, num_warps)
+    PE_COPY: gl.constexpr = _copy_layout(DR, 2, num_warps)
+    Q_COPY: gl.constexpr = _copy_layout(R, 2, num_warps)
+    VEC_COPY: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    DEQ: gl.constexpr = _copy_layout(GROUP, 1, num_warps)  # one scale group of a tile: [BLOCK_N, GROUP]
+    LAT_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], gl.bfloat16)
+    PE_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DR], gl.bfloat16)
+    QL_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, R], gl.bfloat16)
+    QP_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, DR], gl.bfloat16)
+    RAW_SMEM: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    ROW_SMEM: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+
+    pid = gl.program_id(0)
+    hb = pid % num_head_blocks
+    split = (pid // num_head_blocks) % num_splits
+    t = (pid // (num_head_blocks * num_splits)).to(gl.int64)  # int64: T * H * (r + dr) passes 2^31
+
+    # Shared memory (GLM bf16: q 72 KiB + 2 tiles x 72 KiB; FP8: 2 raw tiles x 41 KiB + a 64 KiB operand).
+    q_lat_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, R], QL_SMEM)
+    q_pe_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, DR], QP_SMEM)
+    pe_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_N, DR], PE_SMEM)
+    ring = gl.allocate_shared_memory(gl.int32, [RING, BLOCK_N], ROW_SMEM)
+    if FP8:
+        lat_bufs = gl.allocate_shared_memory(gl.uint8, [NUM_BUF, BLOCK_N, R], RAW_SMEM)
+        sc_bufs = gl.allocate_shared_memory(gl.float32, [NUM_BUF * NG, BLOCK_N], ROW_SMEM)
+        lat_op = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, R], LAT_SMEM)
+    else:
+        lat_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_N, R], LAT_SMEM)
+        sc_bufs = lat_bufs  # no scales; never indexed
+
+    # q [BLOCK_H, R + DR] -> shared memory (padded heads read as zeros), in the first copy group.
+    h_lat = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, Q_COPY))
+    h_pe = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, PE_COPY))
+    r_lat = gl.arange(0, R, layout=gl.SliceLayout(0, Q_COPY))
+    r_pe = gl.arange(0, DR, layout=gl.SliceLayout(0, PE_COPY))
+    q_row = q_ptr + t * stride_qt
+    _async_load(q_lat_smem, q_row + h_lat[:, None] * stride_qh + r_lat[None, :], mask=(h_lat < H)[:, None])
+    _async_load(q_pe_smem, q_row + h_pe[:, None] * stride_qh + R + r_pe[None, :], mask=(h_pe < H)[:, None])
+
+    # This split's key range: whole tiles, the last split ends at K. Tiles past it read as all -1
+    # (zero-filled, no traffic), so short splits need no special case.
+    k_lo = split * split_len
+    k_hi = gl.minimum(K, k_lo + split_len)
+    n_tiles = gl.cdiv(k_hi - k_lo, BLOCK_N)
+    slot_row = slots_ptr + t * stride_st
+    offs_vec = gl.arange(0, BLOCK_N, layout=VEC_COPY)
+    offs_lat = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LAT_COPY))
+    offs_pe = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, PE_COPY))
+
+    # Prologue, groups -NUM_BUF + 1 .. -1: the rows of tiles 0 .. NUM_BUF - 2 (slot ids loaded
+    # directly, once) and the slot ids of tiles 0 .. 2 NUM_BUF - 3 into the ring.
+    for j in gl.static_range(NUM_BUF - 1):
+        o = k_lo + j * BLOCK_N
+        _issue_tile(kv_ptr, kv_f32_ptr, kv_bf16_ptr,
+                    gl.load(slot_row + o + offs_lat, mask=o + offs_lat < k_hi, other=-1),
+                    gl.load(slot_row + o + offs_pe, mask=o + offs_pe < k_hi, other=-1),
+                    gl.load(slot_row + o + offs_vec, mask=o + offs_vec < k_hi, other=-1),
+                    lat_bufs.index(j), pe_bufs.index(j), sc_bufs, j, stride_kb, stride_ks,
+                    R, DR, NG, PAGE, FP8, LAT_COPY, PE_COPY)
+        _async_load(ring.index(j), slot_row + o + offs_vec, mask=o + offs_vec < k_hi)
+        o2 = o + (NUM_BUF - 1) * BLOCK_N
+        _async_load(ring.index(j + NUM_BUF - 1), slot_row + o2 + offs_vec, mask=o2 + offs_vec < k_hi)
+        _cp.commit_group()
+
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_MMA))  # running max (base 2)
+    # Running softmax denominator kept per (head, key column) and summed once at the end: a row sum
+    # a tile would cross the warpgroups (a shared-memory round trip and two barriers).
+    l_part = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_MMA)
+    acc = gl.zeros([BLOCK_H, R], gl.float32, layout=O_MMA)
+    s_init = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_MMA)
+    for it in range(n_tiles):
+        cur = it % NUM_BUF
+        _cp.wait_group(NUM_BUF - 2)  # group it - NUM_BUF + 1: tile it's rows, tile it + NUM_BUF - 1's ids
+        if FP8:
+            _barrier()  # every thread's part of the raw tile has landed, every warpgroup is past the last MMA
+            for g in gl.static_range(NG):
+                raw = lat_bufs.index(cur).slice(g * GROUP, GROUP, dim=1).load(DEQ)
+                scale = sc_bufs.index(cur * NG + g).load(gl.SliceLayout(1, DEQ))
+                c = raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None]
+                lat_op.slice(g * GROUP, GROUP, dim=1).store(c.to(gl.bfloat16))
+            lat = lat_op
+        else:
+            lat = lat_bufs.index(cur)
+        # cp.async and st.shared write through the generic proxy, wgmma reads through the async one.
+        fence_async_shared()
+        # Every thread's copies have landed, and every warpgroup is past the previous tile's MMAs:
+        # the oldest buffer (tile it - 1's) and ring entry (tile it - 2's) are free.
+        _barrier()
+        # The score MMA runs on the tensor cores while the warps request the next tile's rows.
+        s = warpgroup_mma(q_lat_smem, lat.permute((1, 0)), s_init, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_pe_smem, pe_bufs.index(cur).permute((1, 0)), s, is_async=True)
+        # All ring reads before the ring's next copy (one barrier between, which the compiler adds).
+        valid = _ring_slots(ring, it, k_lo, k_hi, BLOCK_N, RING, gl.SliceLayout(0, S_MMA)) >= 0
+        nxt = it + NUM_BUF - 1
+        _issue_tile(kv_ptr, kv_f32_ptr, kv_bf16_ptr,
+                    _ring_slots(ring, nxt, k_lo, k_hi, BLOCK_N, RING, gl.SliceLayout(1, LAT_COPY)),
+                    _ring_slots(ring, nxt, k_lo, k_hi, BLOCK_N, RING, gl.SliceLayout(1, PE_COPY)),
+                    _ring_slots(ring, nxt, k_lo, k_hi, BLOCK_N, RING, VEC_COPY),
+                    lat_bufs.index(nxt % NUM_BUF), pe_bufs.index(nxt % NUM_BUF), sc_bufs, nxt % NUM_BUF,
+                    stride_kb, stride_ks, R, DR, NG, PAGE, FP8, LAT_COPY, PE_COPY)
+        o = k_lo + (it + 2 * NUM_BUF - 2) * BLOCK_N
+        _async_load(ring.index((it + 2 * NUM_BUF - 2) % RING), slot_row + o + offs_vec, mask=o + offs_vec < k_hi)
+        _cp.commit_group()
+        s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
+        s = gl.where(valid[None, :], s * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
+
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        # Until a valid slot shows up m stays -inf; subtracting 0 instead keeps exp2 at 0, not NaN.
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - m_safe[:, None])
+        l_part = l_part * alpha[:, None] + p
+        m_i = m_new
+        # Each warpgroup holds p for half the keys and needs all of them for its value columns; the
+        # exchange goes through shared memory inside convert_layout (no proxy fence: p stays a register operand).
+        p_op = gl.convert_layout(p.to(gl.bfloat16), P_DOT)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_MMA))[:, None]
+        acc = warpgroup_mma(p_op, lat, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+    _cp.wait_group(0)  # the (empty) copies requested past the last tile
+
+    l_i = gl.sum(l_part, 1)
+    has_keys = l_i > 0.0
+    l_safe = gl.where(has_keys, l_i, 1.0)
+    lse = gl.where(has_keys, (m_i + gl.log2(l_safe)) * _LN2, float("-inf"))  # natural log
+    out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, O_MMA))[:, None]  # rows without keys: acc = 0
+    h_o = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_MMA))
+    r_o = gl.arange(0, R, layout=gl.SliceLayout(0, O_MMA))
+    out_ptrs = out_ptr + t * stride_ot + split * stride_os + h_o[:, None] * stride_oh + r_o[None, :]
+    gl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=(h_o < H)[:, None])
+    h_s = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, S_MMA))
+    gl.store(lse_ptr + t * stride_lt + split * stride_ls + h_s, lse, mask=h_s < H)
+
+
+# ------------------------------------------------------------------------------ launch
 @dataclass(frozen=True)
 class LaunchConfig:
     """How `sparse_mla` tiles and launches a problem (each field can be overridden by a keyword)."""
 
-    block_h: int  # heads a program serves (>= 16: tl.dot's smallest tile side)
+    block_h: int  # heads a program serves (>= 16: tl.dot's smallest tile side; 64 for "sm90")
     block_n: int  # cached rows gathered a tile
     num_warps: int
-    num_stages: int  # Triton's software pipeliner; rows are requested (num_stages - 1) // 2 tiles ahead
+    # "triton": Triton's software pipeliner (rows requested (num_stages - 1) // 2 tiles ahead);
+    # "sm90": shared-memory tile buffers (rows requested num_stages - 1 tiles ahead).
+    num_stages: int
+    kernel: str = "triton"  # one of KERNELS
 
 
 def num_sms(device: torch.device) -> int:
@@ -242,7 +499,7 @@ def choose_num_splits(num_programs: int, num_tiles: int, sms: int) -> int:
     """Splits of each token's top-k that finish a launch soonest under a wave model.
 
     num_programs: (token, head block) pairs; num_tiles: key tiles a token; sms: programs that run at
-    once (one a SM: a GLM-size program holds 170-220 KiB of shared memory). A launch of
+    once (one a SM: a GLM-size program holds 170-227 KiB of shared memory). A launch of
     num_programs x s programs runs in ceil(num_programs x s / sms) waves, each as long as one
     program: ceil(num_tiles / s) tiles plus PROGRAM_OVERHEAD_TILES, plus SPLIT_OVERHEAD_TILES when
     split. Prefill (T x head blocks >> SMs) gets 1; decode of 64 tokens on 132 SMs gets 2; one
@@ -256,19 +513,65 @@ def choose_num_splits(num_programs: int, num_tiles: int, sms: int) -> int:
     return best
 
 
-def _launch_config(num_heads: int, topk: int, block_r: int, fp8: bool) -> LaunchConfig:
-    """The tiling for a problem; tl.dot needs every tile side >= 16.
+def sm90_smem_bytes(kv_lora_rank: int, rope_dim: int, block_n: int, num_buffers: int, fp8: bool) -> int:
+    """Shared memory of one `_sparse_mla_fwd_sm90` program: q, the tile buffers (FP8: raw rows plus
+    one bf16 operand buffer), the ring of slot ids and the softmax's scratch. GLM-5.2 (r = 512,
+    dr = 64, 64-row tiles, 2 buffers): 226,304 B with a bf16 cache, 228,352 B with FP8, under
+    sm_90's 232,448."""
+    r, dr = kv_lora_rank, rope_dim
+    q = SM90_BLOCK_H * (r + dr) * 2
+    ring = 2 * num_buffers * block_n * 4
+    if fp8:
+        tiles = num_buffers * block_n * (r + 4 * (r // SCALE_GROUP) + 2 * dr) + block_n * r * 2
+    else:
+        tiles = num_buffers * block_n * (r + dr) * 2
+    return q + tiles + ring + SM90_SCRATCH_BYTES
+
+
+def sm90_unsupported(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
+                     block_n: int = 64, num_buffers: int = 2) -> str:
+    """Why the Hopper kernel cannot serve this problem ('' when it can): it needs a Hopper GPU, bf16
+    q, a bf16 or FP8 cache, power-of-two r >= 64 and dr >= 16 (whole 16-byte copies, legal wgmma
+    tiles), 2+ tile buffers (one computed while the next lands) within shared memory."""
+    r, dr = kv_lora_rank, q.shape[-1] - kv_lora_rank
+    if INTERPRET or q.device.type != "cuda":
+        return "it needs a CUDA device (the Triton interpreter runs only kernel='triton')"
+    cc = torch.cuda.get_device_capability(q.device)
+    if cc != (9, 0):
+        return f"it needs a Hopper GPU (compute capability 9.0), this one is {cc[0]}.{cc[1]}"
+    if q.dtype != torch.bfloat16 or kv_cache.dtype not in (torch.bfloat16, torch.uint8):
+        return f"it needs bf16 q and a bf16 or FP8 cache, got q {q.dtype} and cache {kv_cache.dtype}"
+    if r < 64 or dr < 16 or r & (r - 1) or dr & (dr - 1):
+        return f"it needs power-of-two kv_lora_rank >= 64 and rope dim >= 16, got {r} and {dr}"
+    if kv_cache.dtype == torch.uint8 and r != 512:
+        # on the H200 its FP8 path matched the twin at r = 512 (GLM, DeepSeek) but not at 128 or 256
+        return f"its FP8-cache path is verified only at kv_lora_rank 512, got {r}"
+    if num_buffers < 2:
+        return f"it needs num_stages >= 2 (tile buffers: one computed while the next lands), got {num_buffers}"
+    need = sm90_smem_bytes(r, dr, block_n, num_buffers, kv_cache.dtype == torch.uint8)
+    if need > HOPPER_SMEM_BYTES:
+        return (f"{block_n}-row tiles x {num_buffers} buffers at r = {r}, dr = {dr} need {need} B of shared "
+                f"memory, more than sm_90's {HOPPER_SMEM_BYTES}")
+    return ""
+
+
+def _launch_config(num_heads: int, topk: int, block_r: int, fp8: bool, kernel: str = "triton") -> LaunchConfig:
+    """The tiling of `kernel` for a problem; tl.dot needs every tile side >= 16.
 
     Timed on an H200 (triton 3.6, `python -m benchmarks.tune_sparse_mla`: GLM-5.2 geometry H = 64,
-    r = 512, K = 2048, a 1M-token cache, L2 flushed). Prefill T = 4096: 64 x 64 tiles, 8 warps,
-    3 stages ran at 216 TFLOP/s with a bf16 cache (192 FP8), 2 stages at 213; 32-row tiles with 5-9
-    stages, which the sm_90 code suggested would hide the gather latency better (rows requested
-    (stages - 1) // 2 tiles ahead), ran at 139 at best: with heads in the MMA's M both warpgroups
-    compute the same scores, and small tiles re-read q from shared memory more often. Decode
-    T = 64: 64 x 64 with 2 splits 167 TFLOP/s (FP8 149), unsplit 146. Every configuration is
-    latency-bound on its gathers (~5 us a 64-row tile an SM), not bandwidth-bound: the accumulator
-    [64, 512] fp32 holds 128 registers a thread, so one program runs a SM and nothing else hides
-    the gathers' latency. Tiles of 128 keys do not fit shared memory with 2+ stages."""
+    r = 512, K = 2048, a 1M-token cache, L2 flushed). "triton": prefill T = 4096 with 64 x 64
+    tiles, 8 warps, 3 stages ran at 216 TFLOP/s with a bf16 cache (FP8 192); 32- and 16-row tiles
+    with deeper pipelines 110-169, 32-head blocks (two programs a token) 125-155. Decode T = 64:
+    2 stages, 2 splits, 167 (FP8 149). Latency-bound on the gathers (~5 us a 64-row tile an SM;
+    index_select moves the same rows at 3.8 TB/s against the kernel's 1.8): the pipeliner requests
+    the next tile after the tile's dots, and the [64, 512] fp32 accumulator (128 registers a
+    thread) leaves one program a SM. "sm90" requests it during them (module docstring): 64-row
+    tiles with 2 buffers (32-row tiles fit 4). Timed on the H200 (same script, same run as the Triton
+    candidates): prefill T = 4096 bf16 379 TFLOP/s (local top-k) / 339 (uniform) against Triton's
+    219 / 209; FP8 268 against 193; decode T = 64 bf16 253 (2 splits) against 167, FP8 203 against
+    149 — faster in every case, so it is the Hopper default where `sm90_unsupported` allows it."""
+    if kernel == "sm90":
+        return LaunchConfig(SM90_BLOCK_H, min(64, max(16, triton.next_power_of_2(topk))), SM90_WARPS, 2, "sm90")
     block_h = min(64, max(16, triton.next_power_of_2(num_heads)))
     block_n = min(64, max(16, triton.next_power_of_2(topk)))
     # acc [BLOCK_H, r] fp32 stays in registers: 8 warps keep it at 128 registers a thread for GLM.
@@ -279,7 +582,7 @@ def _launch_config(num_heads: int, topk: int, block_r: int, fp8: bool) -> Launch
 def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor, softmax_scale: float,
                kv_lora_rank: int, *, block_h: int | None = None, block_n: int | None = None,
                num_warps: int | None = None, num_stages: int | None = None,
-               num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               num_splits: int | None = None, kernel: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed-form sparse MLA: each query token attends to its own top-k slots only.
 
     q: [T, H, r + dr] bf16 or fp32 (latent-space query ‖ roped query); kv_cache: paged
@@ -291,10 +594,12 @@ def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor
     over scaled scores); a row with no valid slot gives out 0 and lse -inf.
 
     Dots run in bf16 with fp32 accumulation (fp32 throughout when q or the cache is fp32). The
-    keyword-only arguments override the tiling of `_launch_config` (for tuning): block_h, block_n,
-    num_warps, num_stages, and num_splits (split-K: chunks of each token's top-k, >= 1, capped at
-    the number of key tiles; default from `choose_num_splits` and the SM count). No host sync: safe
-    under CUDA-graph capture (the split-K scratch comes from the caching allocator)."""
+    keyword-only arguments override the launch of `_launch_config` (for tuning): kernel ("triton"
+    or "sm90", the Hopper kernel; default "triton" except where HOPPER_DEFAULT_KERNEL = "sm90" and
+    `sm90_unsupported` is empty), block_h, block_n, num_warps, num_stages, and num_splits (split-K:
+    chunks of each token's top-k, >= 1, capped at the number of key tiles; default from
+    `choose_num_splits` and the SM count). No host sync: safe under CUDA-graph capture (the split-K
+    scratch comes from the caching allocator)."""
     if q.dim() != 3:
         raise ValueError(f"q must be [T, H, r + dr], got shape {tuple(q.shape)}")
     if q.dtype not in (torch.bfloat16, torch.float32):
@@ -331,6 +636,10 @@ def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor
     for name, value in (("block_h", block_h), ("block_n", block_n)):
         if value is not None and (value < 16 or value & (value - 1)):
             raise ValueError(f"{name} must be a power of two >= 16 (tl.dot's smallest tile side), got {value}")
+    if num_stages is not None and num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    if kernel is not None and kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     check_device(q, kv_cache, topk_slots)
 
     T, H, _ = q.shape
@@ -351,8 +660,17 @@ def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor
 
     block_r = max(16, triton.next_power_of_2(r))
     block_dr = max(16, triton.next_power_of_2(dr))
+    if kernel is None:
+        kernel = "sm90" if HOPPER_DEFAULT_KERNEL == "sm90" and not sm90_unsupported(q, kv_cache, r) else "triton"
     overrides = {"block_h": block_h, "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages}
-    cfg = replace(_launch_config(H, K, block_r, fp8), **{k: v for k, v in overrides.items() if v is not None})
+    cfg = replace(_launch_config(H, K, block_r, fp8, kernel), **{k: v for k, v in overrides.items() if v is not None})
+    if kernel == "sm90":
+        why = sm90_unsupported(q, kv_cache, r, cfg.block_n, cfg.num_stages)
+        if why:
+            raise ValueError(f"kernel='sm90' cannot run this problem: {why}; use kernel='triton'")
+        if (cfg.block_h, cfg.num_warps) != (SM90_BLOCK_H, SM90_WARPS):
+            raise ValueError(f"kernel='sm90' runs blocks of {SM90_BLOCK_H} heads on {SM90_WARPS} warps (two "
+                             f"warpgroups), got block_h = {cfg.block_h}, num_warps = {cfg.num_warps}")
     head_blocks = triton.cdiv(H, cfg.block_h)
     num_tiles = triton.cdiv(K, cfg.block_n)
     if num_splits is None:
@@ -372,18 +690,25 @@ def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor
         dst_lse = torch.empty(T, splits, H, dtype=torch.float32, device=q.device)
     else:
         dst, dst_lse = out.unsqueeze(1), lse.unsqueeze(1)
-    _sparse_mla_fwd[(T * splits * head_blocks,)](
-        q, kv_cache, kv_f32, kv_bf16, topk_slots, dst, dst_lse,
-        softmax_scale * _LOG2E,
-        H, K, split_len, head_blocks, splits,
-        q.stride(0), q.stride(1), topk_slots.stride(0),
-        dst.stride(0), dst.stride(1), dst.stride(2), dst_lse.stride(0), dst_lse.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1),
-        R=r, DR=dr, BLOCK_R=block_r, BLOCK_DR=block_dr, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-        PAGE=BLOCK_SIZE, GROUP=SCALE_GROUP, NG=max(1, block_r // SCALE_GROUP), FP8=fp8,
-        DOT_F32=INTERPRET or torch.float32 in (q.dtype, kv_cache.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    args = (q, kv_cache, kv_f32, kv_bf16, topk_slots, dst, dst_lse,
+            softmax_scale * _LOG2E,
+            H, K, split_len, head_blocks, splits,
+            q.stride(0), q.stride(1), topk_slots.stride(0),
+            dst.stride(0), dst.stride(1), dst.stride(2), dst_lse.stride(0), dst_lse.stride(1),
+            kv_cache.stride(0), kv_cache.stride(1))
+    grid = (T * splits * head_blocks,)
+    if kernel == "sm90":
+        _sparse_mla_fwd_sm90[grid](*args, R=r, DR=dr, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+                                   NUM_BUF=cfg.num_stages, PAGE=BLOCK_SIZE, GROUP=SCALE_GROUP, FP8=fp8,
+                                   num_warps=cfg.num_warps)
+    else:
+        _sparse_mla_fwd[grid](
+            *args,
+            R=r, DR=dr, BLOCK_R=block_r, BLOCK_DR=block_dr, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+            PAGE=BLOCK_SIZE, GROUP=SCALE_GROUP, NG=max(1, block_r // SCALE_GROUP), FP8=fp8,
+            DOT_F32=INTERPRET or torch.float32 in (q.dtype, kv_cache.dtype),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
     if splits > 1:
         _combine_splits[(T, triton.cdiv(H, COMBINE_HEADS))](
             dst, dst_lse, out, lse, H, splits,
