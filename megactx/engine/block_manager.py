@@ -11,6 +11,12 @@ tokens after a different prefix never match. A later sequence whose prompt start
 full blocks takes those blocks (ref_count + 1) instead of computing them again. Only full, computed
 blocks are ever registered, so a shared block is never written again.
 
+Drafter KV. With an MTP drafter (speculative decoding) every block also holds the MTP layer's KV, and
+the MTP input at a position combines that position's hidden state with the *next* token, so the
+drafter KV of a block's last position depends on the first token of the following block, which the
+block's hash does not cover. `recompute_last_hit_block=True` therefore leaves the last matching block
+out of every prefix hit: it is recomputed (target and drafter KV) with this sequence's own next token.
+
 Freed blocks. A block whose ref_count drops to 0 is free. If it is registered it keeps its contents
 and stays findable until its id is needed for a new allocation: new blocks come first from the
 never-registered free blocks, then from the registered ones, least recently freed first (LRU).
@@ -66,7 +72,10 @@ class BlockManager:
       free(seq)                 on finish, abort or preemption.
     """
 
-    def __init__(self, num_blocks: int, block_size: int = BLOCK_SIZE, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int = BLOCK_SIZE, enable_prefix_caching: bool = True,
+                 recompute_last_hit_block: bool = False) -> None:
+        """recompute_last_hit_block: a prefix hit never includes its last matching block (for an MTP
+        drafter, see the module docstring)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -74,6 +83,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.recompute_last_hit_block = recompute_last_hit_block
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._hash_to_block: dict[int, int] = {}
         self._free_uncached: deque[int] = deque(range(num_blocks))
@@ -112,7 +122,8 @@ class BlockManager:
     def _match_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
         """Hashes and block ids of the longest cached run of full blocks at the start of `seq`.
         At most (num_tokens - 1) // block_size blocks: the last token is always computed, because
-        computing it is what produces the logits for the next token."""
+        computing it is what produces the logits for the next token (one block fewer with
+        recompute_last_hit_block)."""
         if not self.enable_prefix_caching:
             return [], []
         bs, hashes, hits, prev = self.block_size, [], [], None
@@ -125,6 +136,8 @@ class BlockManager:
             hashes.append(h)
             hits.append(block_id)
             prev = h
+        if self.recompute_last_hit_block and hits:
+            del hashes[-1], hits[-1]
         return hashes, hits
 
     def _blocks_to_allocate(self, seq: Sequence, hits: list[int]) -> int:

@@ -9,6 +9,13 @@ model runner computes them over the paged caches, the sampler turns the logits o
 reached their sequence's end into tokens (one host sync a step), and each request's detokenizer
 and stop rule turn tokens into text and finish reasons. `step()` returns what changed, which is
 what `generate`, `stream` and the HTTP server build on.
+
+With `num_speculative_tokens` = γ > 0 a step also drafts: each decoding sequence's last token is
+verified together with up to γ tokens the checkpoint's MTP layer drafted in the step before, one
+target forward for all of them, and emits the accepted drafts plus one more token (greedy
+acceptance, or rejection sampling: the output is distributed as the target's alone). The parts are
+in megactx.engine.spec_decode; `stats.spec_decode` and each RequestOutput's `spec_decode` count
+drafted and accepted tokens.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from megactx.engine.sampler import Sampler, SamplingBatch, SamplingTensors, make
 from megactx.engine.sampling_params import SamplingParams, check_stop
 from megactx.engine.scheduler import Scheduler, SchedulerConfig
 from megactx.engine.sequence import Sequence as Seq
+from megactx.engine.spec_decode import DRAFT_ACCEPTANCE, MTP_MODES, SpecConfig, SpecDecoder, SpecDecodeStats
 from megactx.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from megactx.model.paged import cache_bytes_per_token, resolve_cache_dtype
 from megactx.model.transformer import Transformer
@@ -65,6 +73,7 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+    spec_decode: SpecDecodeStats | None = None  # drafted / accepted tokens of this request (speculative engine)
 
     @property
     def finished(self) -> bool:
@@ -100,6 +109,7 @@ class EngineStats:
     # latency samples since the last clear(): the server drains them into its histograms each step
     time_to_first_token: list[float] = field(default_factory=list)  # seconds, per request
     inter_token_latency: list[float] = field(default_factory=list)  # seconds, per generated token
+    spec_decode: SpecDecodeStats | None = None  # drafted / accepted tokens, with speculative decoding
 
 
 class _Request:
@@ -125,8 +135,16 @@ class LLM:
     device / dtype: default CUDA + bf16 when available, else CPU + fp32. backend: "triton" on CUDA,
     "torch" (the kernels' twins) on a CPU. kv_cache_dtype: "auto" (= dtype), "bf16", "fp8";
     index_cache_dtype: the indexer cache, "fp8" on CUDA by default (what production runs), "auto"
-    (exact) on a CPU. cuda_graphs: replay CUDA graphs for decode steps (CUDA only).
-    num_speculative_tokens > 0 arrives with speculative decoding.
+    (exact) on a CPU. cuda_graphs: replay CUDA graphs for decode steps (CUDA only; a speculative
+    engine runs its steps eagerly for now).
+
+    num_speculative_tokens: γ, tokens the checkpoint's MTP layer drafts a step (0: no speculative
+    decoding). The default stays 0 until megactx ships a trained MTP checkpoint; 7 is the intended
+    default for checkpoints with an MTP layer. mtp_mode: "kvshare" (IndexShare + KVShare: draft
+    steps >= 2 reuse step 1's top-k and KV), "baseline" (every draft step indexes and writes its own
+    KV), "auto" (the checkpoint's index_share_for_mtp_iteration). draft_acceptance: "rejection"
+    (drafts sampled from the MTP distribution, rejection sampling) or "target-only" (greedy drafts
+    accepted with probability p(x), an ablation); greedy requests accept greedily under both.
     """
 
     def __init__(self, model: str | Path | Transformer, *, tokenizer: str | Path | None = None,
@@ -135,9 +153,14 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 8192, gpu_memory_utilization: float = 0.9,
                  cpu_cache_bytes: int = 4 << 30, num_blocks: int | None = None, enable_prefix_caching: bool = True,
                  chunked_prefill: bool = True, cuda_graphs: bool = True, num_speculative_tokens: int = 0,
-                 seed: int = 0):
-        if num_speculative_tokens:
-            raise NotImplementedError("speculative decoding (num_speculative_tokens > 0) is not implemented yet")
+                 mtp_mode: str = "auto", draft_acceptance: str = "rejection", seed: int = 0):
+        if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be an int >= 0 (0 = no speculative decoding), "
+                             f"got {num_speculative_tokens!r}")
+        if mtp_mode not in MTP_MODES:
+            raise ValueError(f"mtp_mode must be one of {', '.join(MTP_MODES)}, got {mtp_mode!r}")
+        if draft_acceptance not in DRAFT_ACCEPTANCE:
+            raise ValueError(f"draft_acceptance must be one of {', '.join(DRAFT_ACCEPTANCE)}, got {draft_acceptance!r}")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         on_cuda = torch.device(device).type == "cuda"
         dtype = dtype or (torch.bfloat16 if on_cuda else torch.float32)
@@ -154,6 +177,8 @@ class LLM:
         tok_dir = Path(tokenizer) if tokenizer else source
         self.tokenizer = Tokenizer(tok_dir) if tok_dir and (tok_dir / "tokenizer.json").is_file() else None
         self.eos_token_ids = list(self.cfg.eos_token_id)
+        spec = (SpecConfig.create(self.cfg, num_speculative_tokens, mtp_mode, draft_acceptance)
+                if num_speculative_tokens else None)
 
         self.max_model_len = max_model_len or self.cfg.max_position_embeddings
         if self.max_model_len > self.cfg.max_position_embeddings:
@@ -168,10 +193,14 @@ class LLM:
                                          cpu_cache_bytes=cpu_cache_bytes, backend=self.backend)
         self.runner = ModelRunner(self.model, CacheConfig(kv_dtype, index_dtype, num_blocks), self.backend,
                                   max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, cuda_graphs=cuda_graphs)
-        self.block_manager = BlockManager(num_blocks, enable_prefix_caching=enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, enable_prefix_caching=enable_prefix_caching,
+                                          recompute_last_hit_block=spec is not None)
         self.scheduler = Scheduler(SchedulerConfig(max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
                                                    max_num_batched_tokens=max_num_batched_tokens,
-                                                   chunked_prefill=chunked_prefill), self.block_manager)
+                                                   chunked_prefill=chunked_prefill,
+                                                   num_speculative_tokens=num_speculative_tokens,
+                                                   num_lookahead_slots=spec.num_lookahead_slots if spec else 0),
+                                   self.block_manager)
         self.device = torch.device(device)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(seed))
         self.requests: dict[str, _Request] = {}
@@ -179,6 +208,10 @@ class LLM:
         self._generators: dict[int, torch.Generator] = {}
         self._ids = itertools.count()
         self.stats = EngineStats()
+        self.spec: SpecDecoder | None = None
+        if spec is not None:
+            self.spec = SpecDecoder(self.runner, spec, self.cfg.vocab_size, self.eos_token_ids, self.sampler.generator)
+            self.stats.spec_decode = self.spec.stats
         log.info("megactx engine: %s", self.memory_report())
 
     # ---------------------------------------------------------------------------- reports
@@ -223,6 +256,8 @@ class LLM:
         for seq in seqs:
             self.scheduler.add(seq)  # may refuse (a request the cache can never hold): then none is added
         request = _Request(request_id, text, prompt_ids, params, seqs, self.tokenizer)
+        if self.spec is not None:
+            request.output.spec_decode = SpecDecodeStats(self.spec.config.num_speculative_tokens)
         self.requests[request_id] = request
         for i, seq in enumerate(seqs):
             self._seqs[seq.seq_id] = (request, i)
@@ -248,11 +283,16 @@ class LLM:
     def _forget(self, seq: Seq) -> None:
         self._seqs.pop(seq.seq_id, None)
         self._generators.pop(seq.seq_id, None)
+        if self.spec is not None:
+            self.spec.forget(seq.seq_id)
 
     # ---------------------------------------------------------------------------- one step
     @torch.inference_mode()
     def step(self) -> list[Delta]:
-        """Run one scheduler step; returns a Delta for every completion that got a token."""
+        """Run one scheduler step; returns a Delta for every completion that got tokens (one, or
+        with speculative decoding the accepted drafts and the token after them)."""
+        if self.spec is not None:
+            return self._spec_step(self.spec)
         out = self.scheduler.schedule()
         self.stats.preemptions += len(out.preempted)
         if out.is_empty:
@@ -277,39 +317,83 @@ class LLM:
         deltas = []
         for row, (seq, token) in enumerate(zip(seqs, tokens)):
             request, index = self._seqs[seq.seq_id]
-            deltas.append(self._emit(request, index, seq, token, row, result, now))
+            logprobs = None
+            if request.output.outputs[index].logprobs is not None:
+                k = request.params.logprobs
+                top = dict(zip(result.top_token_ids[row, :k].tolist(), result.top_logprobs[row, :k].tolist()))
+                logprobs = [TokenLogprobs(token, float(result.logprobs[row]), top)]
+            deltas.append(self._emit(request, index, seq, [token], logprobs, now))
         return deltas
 
-    def _emit(self, request: _Request, index: int, seq: Seq, token: int, row: int, result, now: float) -> Delta:
-        completion = request.output.outputs[index]
-        completion.token_ids.append(token)
-        self.stats.generation_tokens += 1
-        if request.last_token_time[index] is None:
-            if request.output.first_token_time is None:
-                request.output.first_token_time = now
-                request.output.num_cached_tokens = seq.num_cached_tokens
-                self.stats.time_to_first_token.append(now - request.output.arrival_time)
-        else:
-            self.stats.inter_token_latency.append(now - request.last_token_time[index])
-        request.last_token_time[index] = now
-        logprobs = None
-        if completion.logprobs is not None:
-            k = request.params.logprobs
-            top = dict(zip(result.top_token_ids[row, :k].tolist(), result.top_logprobs[row, :k].tolist()))
-            logprobs = [TokenLogprobs(token, float(result.logprobs[row]), top)]
-            completion.logprobs.extend(logprobs)
+    def _spec_step(self, spec: SpecDecoder) -> list[Delta]:
+        """One step of the speculative engine: schedule with the drafts held, target forward over
+        known tokens and drafts, verify, record, MTP KV + next drafts, emit."""
+        out = self.scheduler.schedule(spec.draft_lengths())
+        self.stats.preemptions += len(out.preempted)
+        for seq in out.preempted:
+            spec.forget(seq.seq_id)  # its KV is gone; it drafts again after its recompute
+        if out.is_empty:
+            return []
+        self.stats.steps += 1
+        hidden = spec.forward(out.scheduled)  # [T, D]
+        emitted = spec.verify(out.scheduled, hidden, self._generators)
+        self.scheduler.postprocess(out, {seq_id: e.tokens for seq_id, e in emitted.items()})
+        wanted = {item.seq.seq_id: self.scheduler.max_draft_tokens(item.seq) for item in out.scheduled if item.samples}
+        spec.propose(out.scheduled, hidden, wanted, self._generators)
 
-        new_chars = 0
+        now = time.perf_counter()
+        deltas = []
+        for item in out.scheduled:
+            if not item.samples:
+                continue
+            seq, e = item.seq, emitted[item.seq.seq_id]
+            request, index = self._seqs[seq.seq_id]
+            if e.num_drafts:
+                request.output.spec_decode.record(e.num_drafts, e.num_accepted)
+            logprobs = None
+            if request.output.outputs[index].logprobs is not None:
+                k = request.params.logprobs
+                logprobs = [TokenLogprobs(token, lp, dict(itertools.islice(top.items(), k)))
+                            for token, (lp, top) in zip(e.tokens, e.logprobs)]
+            deltas.append(self._emit(request, index, seq, e.tokens, logprobs, now))
+        return deltas
+
+    def _emit(self, request: _Request, index: int, seq: Seq, tokens: list[int], logprobs: list[TokenLogprobs] | None,
+              now: float) -> Delta:
+        """Add a step's tokens (logprobs: one entry a token, or None) to a completion in order, until
+        one of them finishes it (the rest are dropped), and return what became visible."""
+        completion = request.output.outputs[index]
+        last_time = request.last_token_time[index]
+        if last_time is None and request.output.first_token_time is None:
+            request.output.first_token_time = now
+            request.output.num_cached_tokens = seq.num_cached_tokens
+            self.stats.time_to_first_token.append(now - request.output.arrival_time)
+        request.last_token_time[index] = now
+
         detok = request.detoks[index]
-        if detok is not None:
-            piece = detok.add([token])
-            request.full_text[index] += piece
-            new_chars = len(piece)
+        taken: list[int] = []
+        for token in tokens:
+            completion.token_ids.append(token)
+            taken.append(token)
+            new_chars = 0
+            if detok is not None:
+                piece = detok.add([token])
+                request.full_text[index] += piece
+                new_chars = len(piece)
+            finished, reason, cut = check_stop(completion.token_ids, request.full_text[index], new_chars,
+                                               request.params, self.eos_token_ids)
+            if not finished and seq.num_prompt_tokens + len(completion.token_ids) >= self.max_model_len:
+                finished, reason = True, "length"
+            if finished:
+                break
+        self.stats.generation_tokens += len(taken)
+        if last_time is not None:
+            # a step that emits several tokens (speculative decoding) spreads its gap over them
+            self.stats.inter_token_latency.extend([(now - last_time) / len(taken)] * len(taken))
+        if logprobs is not None:
+            logprobs = logprobs[: len(taken)]
+            completion.logprobs.extend(logprobs)
         text = request.full_text[index]
-        stop = check_stop(completion.token_ids, text, new_chars, request.params, self.eos_token_ids)
-        finished, reason, cut = stop
-        if not finished and seq.num_tokens >= self.max_model_len:
-            finished, reason = True, "length"
         if finished:
             if cut is not None:
                 text = text[:cut]
@@ -329,7 +413,7 @@ class LLM:
         delta_text = text[request.emitted[index] : visible]
         request.emitted[index] = visible
         completion.text = text[:visible]
-        return Delta(request.output.request_id, index, delta_text, [token], logprobs, completion.finish_reason)
+        return Delta(request.output.request_id, index, delta_text, taken, logprobs, completion.finish_reason)
 
     # ---------------------------------------------------------------------------- front ends
     def generate(self, prompts: Prompt | Sequence[Prompt],

@@ -25,12 +25,26 @@ start .. start + num_tokens - 1 (their KV slots are allocated); the chunk yields
 reaches the sequence's last known token. The engine runs the model, then calls postprocess() with
 the sampled tokens, then decides which sequences finished (max_tokens, stop tokens, or once a
 sequence has max_model_len tokens) and calls finish() on them.
+
+Speculative decoding (`num_speculative_tokens` = γ > 0). The engine holds draft tokens for its
+decoding sequences and passes their counts to schedule(). A decode then also verifies up to γ of
+them: `ScheduledSeq.num_draft_tokens` = k, capped so that the accepted drafts plus one more token
+fit in max_tokens and max_model_len, and by what is left of the token budget (a decode costs 1 + k
+positions). Its slots cover the k + 1 verified positions plus `num_lookahead_slots` more, for KV a
+drafter writes at draft positions after the step (the MTP baseline's draft steps); a prefill chunk
+that samples takes those extra slots only if they are free (a prefill never preempts). postprocess()
+then takes the emitted tokens — the accepted drafts and one more — and marks only the positions
+computed with accepted tokens; the rejected positions stay uncomputed and are written again by the
+next step (the rollback). Slots past a sequence's known tokens go back to the pool at the start of
+the next schedule(). Every reservation stops at max_kv_tokens(seq), so add()'s capacity check holds.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Mapping
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 
 from megactx.engine.block_manager import BlockManager
@@ -43,11 +57,17 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192  # positions computed in one step (prefill chunks + decodes)
     max_model_len: int  # longest prompt accepted; the engine stops a sequence at this many tokens
     chunked_prefill: bool = True  # False: a prompt is admitted only when all of it fits in one step
+    # speculative decoding
+    num_speculative_tokens: int = 0  # γ: draft tokens a decode may verify (0: none)
+    num_lookahead_slots: int = 0  # slots kept past a sampling chunk's positions for draft-position KV
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("num_speculative_tokens", "num_lookahead_slots"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             # otherwise a full batch of decodes would not fit in one step's budget
             raise ValueError(
@@ -63,26 +83,35 @@ class SchedulerConfig:
 
 @dataclass
 class ScheduledSeq:
-    """Compute positions start .. start + num_tokens - 1 of `seq` this step."""
+    """Compute positions start .. start + num_tokens - 1 of `seq` this step (known tokens). A chunk
+    that samples also verifies the sequence's first `num_draft_tokens` draft tokens at the positions
+    after its last known token (speculative decoding): its forward covers num_positions positions."""
 
     seq: Sequence
     start: int
     num_tokens: int
+    num_draft_tokens: int = 0
     samples: bool = field(init=False)  # the chunk reaches the last known token: sample the next one
 
     def __post_init__(self) -> None:
         self.samples = self.start + self.num_tokens == self.seq.num_tokens
+        assert self.samples or not self.num_draft_tokens, "only a chunk that samples verifies drafts"
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
+
+    @property
+    def num_positions(self) -> int:
+        """Positions the step computes for this chunk: known tokens, then draft tokens."""
+        return self.num_tokens + self.num_draft_tokens
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq]  # decodes first, then prefill chunks, then newly admitted
     preempted: list[Sequence]  # preempted in this step (their KV is gone; they are waiting again)
-    num_batched_tokens: int  # sum of scheduled num_tokens, <= max_num_batched_tokens
+    num_batched_tokens: int  # sum of scheduled num_positions, <= max_num_batched_tokens
 
     @property
     def is_empty(self) -> bool:
@@ -115,6 +144,20 @@ class Scheduler:
         longest = seq.num_prompt_tokens + seq.sampling_params.max_tokens
         return min(longest - 1, self.config.max_model_len)
 
+    def max_draft_tokens(self, seq: Sequence) -> int:
+        """Draft tokens a verify of `seq` could use now: at most num_speculative_tokens, and few
+        enough that the accepted drafts plus the token after them stay within max_tokens and
+        max_model_len (the engine stops a sequence there). 0 when nothing can be gained."""
+        cfg = self.config
+        room = min(seq.sampling_params.max_tokens - seq.num_output_tokens, cfg.max_model_len - seq.num_tokens) - 1
+        return max(0, min(cfg.num_speculative_tokens, room))
+
+    def _slots(self, seq: Sequence, num_positions: int) -> int:
+        """Slots a chunk of num_positions positions reserves: those plus the lookahead slots,
+        stopping at max_kv_tokens(seq) (no step ever writes KV at or past it)."""
+        room = self.max_kv_tokens(seq) - seq.num_computed_tokens
+        return max(num_positions, min(num_positions + self.config.num_lookahead_slots, room))
+
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence. Raises ValueError for a prompt longer than max_model_len or a
         request that could not finish even with the whole KV cache to itself."""
@@ -138,12 +181,20 @@ class Scheduler:
         self.waiting.append(seq)
 
     # ---------------------------------------------------------------------------- one step
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, draft_lengths: Mapping[int, int] | None = None) -> SchedulerOutput:
         """Pick the next step's work (policy in the module docstring). Slots for every scheduled
-        position are allocated on return; call postprocess() with the step's results."""
+        position are allocated on return; call postprocess() with the step's results.
+
+        draft_lengths: seq_id -> draft tokens the engine holds for that decoding sequence
+        (speculative decoding; missing = none)."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
+        draft_lengths = draft_lengths or {}
+        bm = self.block_manager
+        for seq in self.running:  # last step's lookahead and rejected-draft slots go back to the pool
+            if seq.num_blocks > bm.blocks_for(seq.num_tokens):
+                bm.truncate(seq, seq.num_tokens)
 
         for decode in (True, False):
             for seq in list(self.running):
@@ -156,13 +207,18 @@ class Scheduler:
                     n = min(n, budget)
                 elif n > budget:
                     continue  # an unchunked prompt waits for a step with room for all of it
-                if decode and not self._reserve(seq, n, preempted):
-                    continue  # it had to preempt itself
-                # a prefill needs no new block: allocate() gave slots for all known tokens, so it
-                # never preempts a decode already scheduled in this step
-                assert decode or seq.num_blocks * self.block_manager.block_size >= seq.num_tokens
-                scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
-                budget -= n
+                num_drafts = 0
+                if decode:
+                    num_drafts = min(draft_lengths.get(seq.seq_id, 0), self.max_draft_tokens(seq), budget - n)
+                    if not self._reserve(seq, self._slots(seq, n + num_drafts), preempted):
+                        continue  # it had to preempt itself
+                else:
+                    # a prefill needs no new block: allocate() gave slots for all known tokens, so it
+                    # never preempts a decode already scheduled in this step
+                    assert seq.num_blocks * bm.block_size >= seq.num_tokens
+                    self._take_lookahead_if_free(seq, n)
+                scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n, num_drafts))
+                budget -= n + num_drafts
 
         while not preempted and self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
             seq = self.waiting[0]
@@ -176,10 +232,19 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.arrival)
             n = min(seq.num_uncomputed_tokens, budget)
+            self._take_lookahead_if_free(seq, n)
             scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
             budget -= n
 
         return SchedulerOutput(scheduled, preempted, self.config.max_num_batched_tokens - budget)
+
+    def _take_lookahead_if_free(self, seq: Sequence, n: int) -> None:
+        """A prefill chunk of n positions that samples gets its lookahead slots when the pool has
+        them free; it never preempts for them (the drafter then drafts less, see the engine)."""
+        if self.config.num_lookahead_slots and seq.num_computed_tokens + n == seq.num_tokens:
+            slots = self._slots(seq, n)
+            if self.block_manager.can_append(seq, slots):
+                self.block_manager.append_slots(seq, slots)
 
     def _reserve(self, seq: Sequence, n: int, preempted: list[Sequence]) -> bool:
         """Slots for the next `n` positions of decoding `seq`, preempting the youngest running
@@ -203,20 +268,32 @@ class Scheduler:
         # victims go youngest first, so pushing each to the front keeps the queue in arrival order
         self.waiting.appendleft(seq)
 
-    def postprocess(self, output: SchedulerOutput, sampled: dict[int, int]) -> None:
+    def postprocess(self, output: SchedulerOutput, sampled: Mapping[int, int | SequenceOf[int]]) -> None:
         """Record a finished step: each scheduled chunk is now computed, and each chunk that samples
-        gets its token appended (`sampled` maps seq_id -> token id). Sequences finished or aborted
-        since schedule() are skipped. Finishing is the engine's call (see finish())."""
+        gets its tokens appended. `sampled` maps seq_id -> the sampled token id, or a verify's
+        emitted tokens: the accepted drafts (the first ones of the drafts the step computed, in
+        order), then the one token after them. Only positions computed with accepted tokens are
+        marked computed; rejected drafts' positions are not (the next step rewrites their KV).
+        Sequences finished or aborted since schedule() are skipped. Finishing is the engine's call
+        (see finish())."""
         for item in output.scheduled:
             seq = item.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue
             assert seq.num_computed_tokens == item.start, "postprocess() must follow its own schedule()"
-            self.block_manager.mark_computed(seq, item.num_tokens)
-            if item.samples:
-                if seq.seq_id not in sampled:
-                    raise ValueError(f"sequence {seq.seq_id} completed its chunk but `sampled` has no token for it")
-                seq.append_token(sampled[seq.seq_id])
+            if not item.samples:
+                self.block_manager.mark_computed(seq, item.num_tokens)
+                continue
+            if seq.seq_id not in sampled:
+                raise ValueError(f"sequence {seq.seq_id} completed its chunk but `sampled` has no token for it")
+            tokens = sampled[seq.seq_id]
+            tokens = [tokens] if isinstance(tokens, int) else list(tokens)
+            if not 1 <= len(tokens) <= 1 + item.num_draft_tokens:
+                raise ValueError(f"sequence {seq.seq_id} verified {item.num_draft_tokens} draft tokens, so it emits "
+                                 f"1 to {1 + item.num_draft_tokens} tokens; got {len(tokens)}")
+            for token in tokens:  # first: mark_computed needs the tokens of the positions it registers
+                seq.append_token(token)
+            self.block_manager.mark_computed(seq, item.num_tokens + len(tokens) - 1)
 
     # ---------------------------------------------------------------------------- ending
     def finish(self, seq: Sequence) -> None:

@@ -40,6 +40,7 @@ def add_serve_parser(subparsers) -> None:
     """Register `serve` on an argparse subparsers object. Flags mirror LLM's constructor; their
     defaults are LLM's own."""
     from megactx.engine.llm import LLM
+    from megactx.engine.spec_decode import DRAFT_ACCEPTANCE, MTP_MODES
 
     defaults = {name: p.default for name, p in inspect.signature(LLM.__init__).parameters.items()}
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, SSE, metrics)",
@@ -72,7 +73,16 @@ def add_serve_parser(subparsers) -> None:
                    help="sequences (a request with n completions counts n) that may wait beyond --max-num-seqs; "
                         "past that, new requests get 503 with Retry-After (default %(default)s)")
     p.add_argument("--num-speculative-tokens", type=int, default=defaults["num_speculative_tokens"],
-                   help="MTP draft tokens a step; only 0 (off) until speculative decoding lands (default 0)")
+                   help="tokens the checkpoint's MTP layer drafts a step, verified in one target forward; 0 = off "
+                        "(default %(default)s until megactx ships a trained MTP checkpoint; 7 suits GLM-5.x)")
+    p.add_argument("--mtp-mode", choices=MTP_MODES, default=defaults["mtp_mode"],
+                   help="draft steps >= 2: kvshare (IndexShare + KVShare: reuse step 1's top-k and KV, write "
+                        "nothing), baseline (each step indexes and writes its own KV), auto (the checkpoint's "
+                        "index_share_for_mtp_iteration) (default %(default)s)")
+    p.add_argument("--draft-acceptance", choices=DRAFT_ACCEPTANCE, default=defaults["draft_acceptance"],
+                   help="sampled requests: rejection (drafts sampled from the MTP distribution, rejection "
+                        "sampling) or target-only (greedy drafts accepted with probability p(x), an ablation); "
+                        "greedy requests accept greedily either way (default %(default)s)")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info",
                    help="log level of the server and of its one-line-a-request log (default info)")
     p.set_defaults(func=run_serve)
@@ -89,9 +99,8 @@ def run_serve(args: argparse.Namespace) -> int:
         return _fail("--model PATH is required: there is no default model yet (the shipped tiny model becomes "
                      "the default once it exists). Make a random test checkpoint with "
                      "`python -c 'from megactx.testing import make_random_checkpoint as m; m(\"tiny-random\")'`")
-    if args.num_speculative_tokens != 0:
-        return _fail(f"--num-speculative-tokens {args.num_speculative_tokens}: speculative decoding is not "
-                     "implemented yet; use 0")
+    if args.num_speculative_tokens < 0:
+        return _fail(f"--num-speculative-tokens must be >= 0 (0 = off), got {args.num_speculative_tokens}")
     if args.max_queued_requests < 0:
         return _fail(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
     path = Path(args.model)
@@ -109,7 +118,9 @@ def run_serve(args: argparse.Namespace) -> int:
         llm = LLM(path, device=args.device, dtype=None if args.dtype == "auto" else getattr(torch, args.dtype),
                   kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  gpu_memory_utilization=args.gpu_memory_utilization)
+                  gpu_memory_utilization=args.gpu_memory_utilization,
+                  num_speculative_tokens=args.num_speculative_tokens, mtp_mode=args.mtp_mode,
+                  draft_acceptance=args.draft_acceptance)
     except ValueError as e:
         return _fail(str(e))
     name = args.served_model_name or path.resolve().name

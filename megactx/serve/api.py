@@ -73,6 +73,8 @@ def build_app(llm: LLM, *, served_model_name: str, max_queued_requests: int = DE
     starts with the app's lifespan and stops after the server drained its requests.
     max_queued_requests: sequences admitted beyond the batch's max_num_seqs before a 503."""
     metrics = ServerMetrics(served_model_name)
+    if llm.stats.spec_decode is not None:
+        metrics.watch_spec_decode(llm.stats.spec_decode)
     engine = AsyncEngine(llm, max_queued_requests=max_queued_requests, metrics=metrics)
     serving = OpenAIServing(engine, llm, served_model_name, metrics)
 

@@ -1,0 +1,410 @@
+"""MTP speculative decoding in the engine: drafts from the checkpoint's MTP layer over its own paged
+cache, one target forward that verifies them, and the acceptance rules of `rejection_sampler`.
+
+One step of the speculative engine (`LLM.step` calls these in order):
+
+1. `SpecDecoder.forward` — the target over the scheduled chunks: prefill chunks' known tokens, and
+   for each decoding sequence its last token followed by its k draft tokens (the verify), writing
+   the target KV of all of them; returns the final-normed hidden state of every position.
+2. `SpecDecoder.verify` — logits at the k + 1 verified positions of each chunk that samples (k = 0
+   for a prefill's last chunk), each request's sampling pipeline on every position (penalties and
+   min_tokens with the earlier drafts counted as output, then temperature / top-k / top-p / min-p),
+   then greedy acceptance or rejection sampling -> the tokens each sequence emits. The scheduler's
+   postprocess() appends them and marks computed only the positions computed with accepted tokens.
+3. `SpecDecoder.propose` — MTP step 1 over every position the step computed: the MTP input at
+   position i is the target hidden state h_i with the embedding of x_{i+1}, and it predicts x_{i+2}
+   (model/mtp.py). It writes the MTP layer's KV into the same slots as the target's, so the two
+   caches always cover the same positions, share the prefix cache, and roll back together. Then
+   draft steps 2 .. k' continue from the last computed position of each sequence that keeps
+   decoding, with the same MTP weights every step:
+   - kvshare (IndexShare + KVShare, the checkpoint's `index_share_for_mtp_iteration`): steps >= 2
+     reuse step 1's top-k of that position and attend only to KV step 1 computed from target hidden
+     states; they write nothing, so no draft ever attends to draft-made KV;
+   - baseline: every step runs the MTP indexer and writes its own KV at its draft position (slots
+     the scheduler keeps past the verified positions: `num_lookahead_slots` = γ - 1). Those
+     positions are uncomputed, so the next step's MTP step 1 overwrites them.
+
+Drafts: greedy requests, and every request under the "target-only" acceptance, take the argmax of
+the draft logits (q is then one-hot: accepted with probability p(d)); "rejection" samples d ~ q =
+`process_logits(draft logits)` and keeps q for the verify. Penalties and min_tokens shape p only:
+any q is valid as long as the drafts were drawn from it.
+
+Host syncs: two a step (the emitted tokens after the verify, the draft tokens after drafting).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from megactx.config import ModelConfig
+from megactx.engine.rejection_sampler import draw_uniforms, greedy_verify, rejection_sample
+from megactx.engine.sampler import (
+    SamplingTensors,
+    apply_penalties,
+    compute_logprobs,
+    mask_stop_tokens_before_min,
+    pad_token_ids,
+    process_logits,
+    sample,
+)
+from megactx.engine.scheduler import ScheduledSeq
+from megactx.engine.sequence import Sequence as Seq
+from megactx.engine.sequence import SequenceStatus
+from megactx.kernels.reference import BLOCK_SIZE
+from megactx.model.paged import PagedBatch, PagedLayerCache
+
+if TYPE_CHECKING:
+    from megactx.engine.model_runner import ModelRunner
+    from megactx.model.transformer import Transformer
+
+MTP_MODES = ("auto", "kvshare", "baseline")  # auto: the checkpoint's index_share_for_mtp_iteration
+DRAFT_ACCEPTANCE = ("rejection", "target-only")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """num_speculative_tokens: γ, draft tokens a step. kv_share: IndexShare + KVShare across draft
+    steps (else the baseline). acceptance: "rejection" (sampled drafts, rejection sampling) or
+    "target-only" (greedy drafts accepted with probability p(d)); greedy requests accept greedily
+    under both."""
+
+    num_speculative_tokens: int
+    kv_share: bool
+    acceptance: str = "rejection"
+
+    @classmethod
+    def create(cls, cfg: ModelConfig, num_speculative_tokens: int, mtp_mode: str = "auto",
+               draft_acceptance: str = "rejection") -> SpecConfig:
+        """Validate the engine's arguments against the checkpoint (raises ValueError)."""
+        if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be an int >= 1 here, got {num_speculative_tokens!r}")
+        if cfg.num_nextn_predict_layers < 1:
+            raise ValueError("num_speculative_tokens > 0 needs an MTP layer, and this checkpoint has none "
+                             "(num_nextn_predict_layers = 0); use num_speculative_tokens=0")
+        if mtp_mode not in MTP_MODES:
+            raise ValueError(f"mtp_mode must be one of {', '.join(MTP_MODES)}, got {mtp_mode!r}")
+        if draft_acceptance not in DRAFT_ACCEPTANCE:
+            raise ValueError(f"draft_acceptance must be one of {', '.join(DRAFT_ACCEPTANCE)}, got {draft_acceptance!r}")
+        kv_share = cfg.index_share_for_mtp_iteration if mtp_mode == "auto" else mtp_mode == "kvshare"
+        return cls(num_speculative_tokens, kv_share, draft_acceptance)
+
+    @property
+    def num_lookahead_slots(self) -> int:
+        """Slots past the verified positions that the drafter writes: the baseline's draft steps
+        2 .. γ write at the γ - 1 positions after the last computed one."""
+        return 0 if self.kv_share else self.num_speculative_tokens - 1
+
+
+@dataclass
+class SpecDecodeStats:
+    """Drafted and accepted token counts. A *draft* is one verify of one sequence with at least one
+    draft token (a verify of 0 drafts is a plain decode and is not counted)."""
+
+    num_speculative_tokens: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)  # [γ]: drafts with a token at position j
+    accepted_per_position: list[int] = field(default_factory=list)  # [γ]: drafts whose token j was accepted
+
+    def __post_init__(self) -> None:
+        self.drafted_per_position = self.drafted_per_position or [0] * self.num_speculative_tokens
+        self.accepted_per_position = self.accepted_per_position or [0] * self.num_speculative_tokens
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """One verify of num_draft_tokens (>= 1) drafts, of which the first num_accepted were kept."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        for j in range(num_draft_tokens):
+            self.drafted_per_position[j] += 1
+            self.accepted_per_position[j] += j < num_accepted
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verify emits on average: accepted drafts + 1 (0.0 before the first draft)."""
+        return (self.num_accepted_tokens + self.num_drafts) / self.num_drafts if self.num_drafts else 0.0
+
+    @property
+    def acceptance_rate_per_position(self) -> list[float]:
+        """[γ]: of the drafts that had a token at position j, the fraction whose token j was accepted
+        (which needs all tokens before it accepted too)."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+
+@dataclass
+class Draft:
+    """A sequence's draft tokens for its next verify. probs: [len(tokens), V] fp32, the q each token
+    was drawn from; None when they were picked deterministically (q = one-hot)."""
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None
+
+
+@dataclass
+class Emitted:
+    """What one sequence's chunk emitted this step. logprobs: per emitted token (logprob of the raw
+    target distribution, {token id: logprob} of the most likely ones), when the request asked."""
+
+    tokens: list[int]
+    num_drafts: int  # draft tokens verified
+    num_accepted: int
+    logprobs: list[tuple[float, dict[int, float]]] | None = None
+
+
+# ------------------------------------------------------------------------------ runner functions
+def forward_positions(runner: ModelRunner, scheduled: Sequence[ScheduledSeq],
+                      drafts: Mapping[int, Draft]) -> torch.Tensor:
+    """The target over the step's chunks, each its known tokens then its draft tokens (slots were
+    reserved by the scheduler), writing their KV. -> final-normed hidden states [T, D], chunk after
+    chunk, T = Σ num_positions."""
+    ids = []
+    for item in scheduled:
+        ids += item.seq.token_ids[item.start : item.end]
+        if item.num_draft_tokens:
+            ids += drafts[item.seq.seq_id].tokens[: item.num_draft_tokens]
+    batch = PagedBatch.build([item.seq.block_table for item in scheduled], [item.start for item in scheduled],
+                             [item.num_positions for item in scheduled], runner.device)
+    input_ids = torch.tensor(ids, dtype=torch.long).to(runner.device, non_blocking=True)[None]  # [1, T]
+    return runner.model.hidden_states(input_ids, batch.positions[None], runner.layer_caches(batch))[0]
+
+
+def mtp_forward(runner: ModelRunner, hidden: torch.Tensor, next_tokens: torch.Tensor, batch: PagedBatch,
+                positions: torch.Tensor, topk: torch.Tensor | None = None,
+                write_kv: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pass of the (first) MTP layer over its paged cache, `runner.caches[num_hidden_layers]`.
+
+    hidden: [T, D], the target's final-normed hidden states (step 1) or the previous step's MTP
+    output; next_tokens: [T] int64, the token after each row's position; batch: where the rows sit
+    (their KV is written to batch.slots when write_kv; the indexer reads the sequences' blocks);
+    positions: [T] int64 rope positions (batch.positions, except for KVShare steps, which write and
+    select nothing). topk: [T, K] slots to attend to instead of running the MTP indexer (-1 = none).
+    -> (output hidden [T, D] before shared_head.norm, top-k slots used [T, K] int32)."""
+    model = runner.model
+    kv, index = runner.caches[model.cfg.num_hidden_layers]
+    cache = PagedLayerCache(kv, index, batch, runner.ops)
+    cos, sin = model.rotary(positions[None], hidden.dtype)
+    out, topk = model.mtp[0](hidden[None], model.embed(next_tokens)[None], cos, sin, positions[None], topk, cache,
+                             write_kv)
+    return out[0], topk
+
+
+def draft_logits(model: Transformer, mtp_hidden: torch.Tensor) -> torch.Tensor:
+    """MTP output hidden states [T, D] -> draft logits [T, V] fp32 (shared_head.norm, then the lm_head)."""
+    return model.compute_logits(model.mtp[0].shared_head.norm(mtp_hidden))
+
+
+def _offsets(scheduled: Sequence[ScheduledSeq]) -> list[int]:
+    """Row of each chunk's first position in the step's flattened batch."""
+    return [0, *itertools.accumulate(item.num_positions for item in scheduled)][:-1]
+
+
+# ------------------------------------------------------------------------------ the decoder
+class SpecDecoder:
+    """Drafts, verification and their statistics for an engine over `runner` (a ModelRunner: its
+    `model`, `caches`, `ops`, `layer_caches`, `device` are what is used).
+
+    shared_generator: noise of requests without a seed (the engine's sampler generator); seeded
+    requests pass their own generators to verify() / propose()."""
+
+    def __init__(self, runner: ModelRunner, config: SpecConfig, vocab_size: int, eos_token_ids: Sequence[int],
+                 shared_generator: torch.Generator | None = None):
+        self.runner = runner
+        self.model = runner.model
+        self.config = config
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.shared_generator = shared_generator
+        self.drafts: dict[int, Draft] = {}  # seq_id -> drafts for its next verify
+        self.stats = SpecDecodeStats(config.num_speculative_tokens)
+
+    def draft_lengths(self) -> dict[int, int]:
+        """seq_id -> draft tokens held (what Scheduler.schedule takes)."""
+        return {seq_id: len(draft.tokens) for seq_id, draft in self.drafts.items()}
+
+    def forget(self, seq_id: int) -> None:
+        """Drop a sequence's drafts (it finished, was aborted, or was preempted: its KV is gone)."""
+        self.drafts.pop(seq_id, None)
+
+    def forward(self, scheduled: Sequence[ScheduledSeq]) -> torch.Tensor:
+        """The step's target forward over known and draft tokens -> hidden states [T, D]."""
+        return forward_positions(self.runner, scheduled, self.drafts)
+
+    # -------------------------------------------------------------------------- verify
+    @torch.inference_mode()
+    def verify(self, scheduled: Sequence[ScheduledSeq], hidden: torch.Tensor,
+               generators: Mapping[int, torch.Generator]) -> dict[int, Emitted]:
+        """Accept or reject the drafts of every chunk that samples -> seq_id -> Emitted.
+
+        hidden: [T, D] from forward(). generators: seq_id -> the generator of a seeded request."""
+        offsets = _offsets(scheduled)
+        chunks = [(item, off) for item, off in zip(scheduled, offsets) if item.samples]
+        if not chunks:
+            return {}
+        device, vocab = hidden.device, self.vocab_size
+        bsz, width = len(chunks), max(item.num_draft_tokens for item, _ in chunks)
+        drafts = [self.drafts[item.seq.seq_id].tokens[: item.num_draft_tokens] if item.num_draft_tokens else []
+                  for item, _ in chunks]
+
+        # logits of the real rows only (the lm_head is the expensive part), then padded to K + 1 a row
+        rows, padded = [], []
+        for item, off in chunks:
+            first, n = len(rows), item.num_draft_tokens + 1
+            rows.extend(range(off + item.num_tokens - 1, off + item.num_tokens - 1 + n))
+            padded.extend(first + min(j, n - 1) for j in range(width + 1))
+        raw = self.model.compute_logits(hidden.index_select(0, torch.tensor(rows, device=device)))  # [R, V]
+        raw = raw.index_select(0, torch.tensor(padded, device=device))  # [B (K + 1), V]
+
+        seqs = [item.seq for item, _ in chunks]
+        tensors = SamplingTensors.from_params([s.sampling_params for s in seqs], device, vocab, self.eos_token_ids)
+        tensors = tensors.select(torch.arange(bsz, device=device).repeat_interleave(width + 1))
+        processed = raw
+        if tensors.any_min_tokens or tensors.any_penalties:
+            # position j of a verify comes after drafts 1 .. j: they count as output there
+            history = [s.output_token_ids + d[:j] for s, d in zip(seqs, drafts) for j in range(width + 1)]
+            outputs = pad_token_ids(history, device)
+            if tensors.any_min_tokens:
+                processed = mask_stop_tokens_before_min(processed, tensors, outputs)
+            if tensors.any_penalties:
+                prompts = pad_token_ids([s.token_ids[: s.num_prompt_tokens] for s in seqs for _ in range(width + 1)],
+                                        device)
+                processed = apply_penalties(processed, tensors, prompts, outputs)
+
+        num_drafts = torch.tensor([len(d) for d in drafts], device=device)
+        draft_tokens = torch.tensor([d + [0] * (width - len(d)) for d in drafts], dtype=torch.long,
+                                    device=device).view(bsz, width)
+        if tensors.all_greedy:
+            result = greedy_verify(processed.argmax(dim=-1).view(bsz, width + 1), draft_tokens, num_drafts)
+        else:
+            gens = [generators.get(s.seq_id) for s in seqs]
+            # γ draws a row whatever this batch's K, so a seeded request's draws do not depend on the batch
+            uniforms = draw_uniforms(bsz, self.config.num_speculative_tokens, device, gens, self.shared_generator)
+            result = rejection_sample(process_logits(processed, tensors).view(bsz, width + 1, vocab), draft_tokens,
+                                      self._draft_probs(chunks, width), num_drafts, uniforms[:, :width], gens,
+                                      self.shared_generator)
+        tokens, accepted = result.tokens.tolist(), result.num_accepted.tolist()  # the step's host sync
+
+        logprobs = None
+        if tensors.max_num_logprobs is not None:
+            chosen, top_values, top_ids = compute_logprobs(raw, result.tokens.clamp_min(0).flatten(),
+                                                           tensors.max_num_logprobs)
+            chosen = chosen.view(bsz, width + 1).tolist()
+            top_values = top_values.view(bsz, width + 1, -1).tolist()
+            top_ids = top_ids.view(bsz, width + 1, -1).tolist()
+            logprobs = [[(chosen[b][j], dict(zip(top_ids[b][j], top_values[b][j]))) for j in range(accepted[b] + 1)]
+                        for b in range(bsz)]
+
+        emitted = {}
+        for b, (seq, draft) in enumerate(zip(seqs, drafts)):
+            if draft:
+                self.stats.record(len(draft), accepted[b])
+            emitted[seq.seq_id] = Emitted(tokens[b][: accepted[b] + 1], len(draft), accepted[b],
+                                          logprobs[b] if logprobs is not None else None)
+        return emitted
+
+    def _draft_probs(self, chunks: list[tuple[ScheduledSeq, int]], width: int) -> torch.Tensor | None:
+        """q of the drafts being verified, [B, K, V] (one-hot rows for drafts picked
+        deterministically), or None when every draft was (the rejection rule's one-hot case)."""
+        held = [self.drafts[item.seq.seq_id] if item.num_draft_tokens else None for item, _ in chunks]
+        if not any(d is not None and d.probs is not None for d in held):
+            return None
+        device = self.runner.device
+        q = torch.zeros(len(chunks), width, self.vocab_size, device=device)
+        for b, ((item, _), draft) in enumerate(zip(chunks, held)):
+            k = item.num_draft_tokens
+            if draft is None:
+                continue
+            if draft.probs is not None:
+                q[b, :k] = draft.probs[:k]
+            else:
+                q[b, torch.arange(k, device=device), torch.tensor(draft.tokens[:k], device=device)] = 1.0
+        return q
+
+    # -------------------------------------------------------------------------- propose
+    @torch.inference_mode()
+    def propose(self, scheduled: Sequence[ScheduledSeq], hidden: torch.Tensor, num_drafts: Mapping[int, int],
+                generators: Mapping[int, torch.Generator]) -> None:
+        """After the scheduler's postprocess(): MTP step 1 over every position the step computed
+        (writing the MTP KV), then drafts for the sequences in num_drafts (seq_id -> how many, from
+        Scheduler.max_draft_tokens; missing or 0 = none). Drafts the step verified are dropped.
+
+        hidden: [T, D] from forward(). generators: seq_id -> the generator of a seeded request."""
+        device, runner = hidden.device, self.runner
+        rows, next_tokens, members = [], [], []
+        for item, off in zip(scheduled, _offsets(scheduled)):
+            seq = item.seq
+            if item.samples:
+                self.forget(seq.seq_id)
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            computed = seq.num_computed_tokens - item.start  # known tokens, then the accepted drafts
+            rows.extend(range(off, off + computed))
+            next_tokens.extend(seq.token_ids[item.start + 1 : item.start + computed + 1])
+            members.append((seq, item.start, computed))
+        if not members:
+            return
+        batch = PagedBatch.build([s.block_table for s, _, _ in members], [start for _, start, _ in members],
+                                 [n for _, _, n in members], device)
+        step1, topk = mtp_forward(runner, hidden.index_select(0, torch.tensor(rows, device=device)),
+                                  torch.tensor(next_tokens, dtype=torch.long, device=device), batch, batch.positions)
+
+        # sequences that draft, from their last computed position (the last row of their chunk)
+        ends = list(itertools.accumulate(n for _, _, n in members))
+        drafting = [(seq, end - 1) for (seq, _, _), end in zip(members, ends) if num_drafts.get(seq.seq_id, 0) > 0]
+        if drafting:
+            self._draft(drafting, step1, topk, num_drafts, generators)
+
+    def _draft(self, drafting: list[tuple[Seq, int]], step1: torch.Tensor, topk: torch.Tensor,
+               num_drafts: Mapping[int, int], generators: Mapping[int, torch.Generator]) -> None:
+        """Draft steps 1 .. k' for each (sequence, its last row in step1 / topk): step1 [T', D] and
+        topk [T', K] are MTP step 1's outputs."""
+        runner, cfg, device = self.runner, self.config, step1.device
+        seqs = [seq for seq, _ in drafting]
+        last = torch.tensor([row for _, row in drafting], device=device)
+        bsz = len(seqs)
+        steps = [num_drafts[s.seq_id] for s in seqs]
+        if not cfg.kv_share:
+            # baseline step j >= 2 writes at position num_computed + j - 2, which must lie in the
+            # sequence's slots (a prefill may not have got its lookahead slots)
+            steps = [min(k, s.num_blocks * BLOCK_SIZE - s.num_computed_tokens + 1) for k, s in zip(steps, seqs)]
+        pos0 = [s.num_computed_tokens - 1 for s in seqs]  # step 1's position; step j runs at pos0 + j - 1
+        hidden = step1.index_select(0, last)  # [B, D]: each step's MTP output feeds the next
+        shared_topk = topk.index_select(0, last)  # [B, K]: step 1's selection, reused under KVShare
+        tensors = SamplingTensors.from_params([s.sampling_params for s in seqs], device, self.vocab_size,
+                                              self.eos_token_ids)
+        gens = [generators.get(s.seq_id) for s in seqs]
+        greedy = cfg.acceptance == "target-only" or tensors.all_greedy
+        tokens = torch.zeros(bsz, max(steps), dtype=torch.long, device=device)
+        probs = None if greedy else torch.zeros(bsz, max(steps), self.vocab_size, device=device)
+
+        for step in range(max(steps)):
+            active = [b for b in range(bsz) if steps[b] > step]
+            idx = torch.tensor(active, device=device)
+            if step > 0:
+                tables = [seqs[b].block_table for b in active]
+                if cfg.kv_share:  # no write, no selection: the batch only names the sequences
+                    batch = PagedBatch.build(tables, [pos0[b] for b in active], [1] * len(active), device)
+                    positions = torch.tensor([pos0[b] + step for b in active], device=device)
+                    out, _ = mtp_forward(runner, hidden.index_select(0, idx), tokens[idx, step - 1], batch, positions,
+                                         topk=shared_topk.index_select(0, idx), write_kv=False)
+                else:
+                    batch = PagedBatch.build(tables, [pos0[b] + step for b in active], [1] * len(active), device)
+                    out, _ = mtp_forward(runner, hidden.index_select(0, idx), tokens[idx, step - 1], batch,
+                                         batch.positions)
+                hidden = hidden.index_copy(0, idx, out)
+            logits = draft_logits(self.model, hidden.index_select(0, idx))  # [A, V]
+            if greedy:
+                tokens[idx, step] = logits.argmax(dim=-1)
+            else:
+                q = process_logits(logits, tensors.select(idx))
+                tokens[idx, step] = sample(q, [gens[b] for b in active], self.shared_generator)
+                probs[idx, step] = q
+
+        host = tokens.tolist()  # the drafts' host sync
+        for b, seq in enumerate(seqs):
+            self.drafts[seq.seq_id] = Draft(host[b][: steps[b]], None if probs is None else probs[b, : steps[b]])

@@ -1,0 +1,445 @@
+"""MTP speculative decoding in the engine, on a CPU with the torch backend (also on a GPU machine).
+
+Greedy output is token for token the non-speculative engine's (batches of different lengths, chunked
+prefill, preemption, prefix hits, stops and max_tokens inside accepted runs, both MTP modes); the
+engine's drafts are the reference drafter's (model/mtp.py `draft`) after every step, so the MTP
+layer's paged KV is right, rolled back included; after rejections both caches hold exactly the KV of
+the accepted tokens; sampling reproduces the target's distribution end to end; the scheduler's
+draft budget and lookahead slots, the statistics and /metrics behave as documented.
+
+Two random tiny MTP checkpoints: one as built (its MTP layer drafts noise: nearly every draft is
+rejected) and one made into a decent drafter (`BIGRAM_SCALE`), so that runs of drafts are accepted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megactx import LLM, ModelConfig, SamplingParams
+from megactx.engine.block_manager import BlockManager
+from megactx.engine.scheduler import Scheduler, SchedulerConfig
+from megactx.engine.sequence import Sequence, SequenceStatus
+from megactx.engine.spec_decode import SpecDecodeStats
+from megactx.kernels.reference import BLOCK_SIZE, read_index_k, read_kv
+from megactx.model import build_model
+from megactx.model.attention import LayerCache
+from megactx.model.mtp import draft
+
+VOCAB = 512
+GAMMA = 3
+# The embedding scaled this much makes the next token depend mostly on the current one (a bigram
+# model), and an MTP layer that passes the next token's embedding through predicts the same bigram:
+# about half its drafts are accepted, so accepted runs, partial accepts and rejections all occur.
+BIGRAM_SCALE = 10.0
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def _model(bigram_scale: float | None = None, **overrides):
+    # 16 indexer heads keep exact-zero ties out of the top-k of a random model (see test_paged.py)
+    # 4 layers: 3 full and 1 shared (IndexShare); dense MLPs (MoE is not what this file tests, and
+    # its per-expert loop is the slowest part of a CPU step)
+    cfg = ModelConfig.from_pretrained("tiny").replace(vocab_size=VOCAB, index_topk=16, index_n_heads=16,
+                                                      num_hidden_layers=4, first_k_dense_replace=5,
+                                                      max_position_embeddings=1024, eos_token_id=[VOCAB - 1],
+                                                      **overrides)
+    model = build_model(cfg, seed=3)
+    if bigram_scale is not None:
+        with torch.no_grad():
+            model.model.embed_tokens.weight.mul_(bigram_scale)
+            mtp, dim = model.mtp[0], cfg.hidden_size
+            mtp.eh_proj.weight.zero_()  # [D, 2D] over (enorm(embedding), hnorm(hidden))
+            # the embedding half, at the scale of the target's residual stream (init std 0.02)
+            mtp.eh_proj.weight[:, :dim] = torch.eye(dim) * bigram_scale * 0.02
+    return model
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The models here are tiny: a second CPU thread only adds synchronisation, and spin-waiting
+    when other processes share the cores (10-30x slower steps were seen). Restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def noise_drafter():
+    return _model()
+
+
+@pytest.fixture(scope="module")
+def good_drafter():
+    return _model(BIGRAM_SCALE)
+
+
+def _prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB - 1, (n,), generator=g).tolist() for n in lengths]
+
+
+def _spec(model, **kwargs) -> LLM:
+    return LLM(model, device="cpu", num_speculative_tokens=kwargs.pop("gamma", GAMMA), **({"num_blocks": 32} | kwargs))
+
+
+# ------------------------------------------------------------------------------ greedy equality
+@pytest.mark.parametrize("case", [
+    ("good", "kvshare", dict()),
+    ("good", "baseline", dict(max_num_batched_tokens=48, num_blocks=7)),  # chunked prefill + preemption
+    ("noise", "kvshare", dict(max_num_batched_tokens=48, num_blocks=7)),
+    ("good", "kvshare", dict(chunked_prefill=False, max_num_batched_tokens=256, max_model_len=256)),
+], ids=["good-kvshare", "good-baseline-chunked-preempting", "noise-kvshare-chunked-preempting", "good-unchunked"])
+def test_greedy_equals_non_speculative_decoding(case, noise_drafter, good_drafter):
+    which, mode, setup = case
+    model = good_drafter if which == "good" else noise_drafter
+    # different lengths, two sharing a 100-token prefix (a prefix hit), ends near block edges
+    shared = _prompts([100], seed=5)[0]
+    prompts = _prompts([5, 60, 130, 3]) + [shared + [1, 2], shared + [3]]
+    if "num_blocks" in setup:
+        prompts = _prompts([60, 62, 50, 63], seed=1)
+    want = LLM(model, device="cpu", num_blocks=32).generate(prompts, GREEDY, use_tqdm=False)
+    llm = _spec(model, mtp_mode=mode, max_num_seqs=4, **setup)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for got, ref in zip(outs, want):
+        assert got.token_ids == ref.token_ids
+        assert got.outputs[0].finish_reason == "length"
+    stats = llm.stats.spec_decode
+    assert stats.num_draft_tokens > 0
+    if which == "good":
+        assert stats.mean_acceptance_length > 1.5, "the test meant to exercise accepted runs"
+        assert stats.num_accepted_tokens < stats.num_draft_tokens, "and rejections"
+    if "num_blocks" in setup:
+        assert llm.stats.preemptions > 0, "the test meant to exercise preemption"
+    assert llm.block_manager.num_used_blocks == 0 and not llm.spec.drafts
+
+
+def test_stops_and_max_tokens_inside_an_accepted_run(good_drafter, tmp_path):
+    from megactx.testing import train_tokenizer
+
+    train_tokenizer(VOCAB).save(str(tmp_path / "tokenizer.json"))
+    llm = _spec(good_drafter, gamma=4, tokenizer=tmp_path)
+    prompt = _prompts([8], seed=11)[0]  # token ids; outputs still come with text
+    free_params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
+    deltas = list(llm.stream(prompt, free_params))
+    tokens = [t for d in deltas for t in d.token_ids]
+    text = "".join(d.text for d in deltas)
+    want = LLM(good_drafter, device="cpu", num_blocks=32, tokenizer=tmp_path).generate(
+        [prompt], free_params, use_tqdm=False)[0]
+    assert tokens == want.token_ids and text == want.text
+    for got, ref in zip([lp for d in deltas for lp in d.logprobs], want.outputs[0].logprobs):
+        assert got.token_id == ref.token_id and abs(got.logprob - ref.logprob) < 1e-4
+        assert list(got.top) == list(ref.top)
+
+    # an emitted run of >= 3 tokens whose middle token first occurs there: stopping at it drops the rest
+    starts = [sum(len(d.token_ids) for d in deltas[:i]) for i in range(len(deltas))]
+    at = next(s + 1 for d, s in zip(deltas, starts) if len(d.token_ids) >= 3 and tokens.index(tokens[s + 1]) == s + 1)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                                stop_token_ids=[tokens[at]]), use_tqdm=False)[0]
+    assert out.token_ids == tokens[: at + 1] and out.outputs[0].finish_reason == "stop"
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=at + 1, ignore_eos=True), use_tqdm=False)[0]
+    assert out.token_ids == tokens[: at + 1] and out.outputs[0].finish_reason == "length"
+
+    # a stop string inside an accepted run: the text of a run's middle token, where it first occurs
+    for d, s in zip(deltas, starts):
+        before = llm.tokenizer.decode(tokens[: s + 1])
+        middle = llm.tokenizer.decode(tokens[: s + 2])[len(before) :]
+        stop = middle.strip()
+        if len(d.token_ids) >= 3 and len(stop) >= 2 and text.find(stop) == len(before) + middle.index(stop):
+            break
+    else:
+        pytest.fail("the random model produced no usable stop string inside an accepted run")
+    cut = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop]),
+                       use_tqdm=False)[0]
+    assert cut.text == text[: text.index(stop)] and cut.outputs[0].finish_reason == "stop"
+    assert llm.block_manager.num_used_blocks == 0
+
+
+# ------------------------------------------------------------------------------ the MTP layer's KV
+@pytest.mark.parametrize("mode", ["kvshare", "baseline"])
+def test_drafts_equal_the_reference_drafter_after_every_step(good_drafter, mode):
+    """The reference drafter recomputes everything densely from the tokens; the engine's drafts come
+    from its paged MTP cache, filled chunk by chunk, by accepted runs and after rollbacks."""
+    llm = _spec(good_drafter, mtp_mode=mode, max_num_seqs=4, max_num_batched_tokens=40)
+    for prompt in _prompts([70, 9], seed=2):
+        llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=14, ignore_eos=True))
+    seqs = {seq.seq_id: seq for seq in llm.scheduler.waiting}
+    checked = 0
+    while llm.has_unfinished():
+        llm.step()
+        for seq_id, held in llm.spec.drafts.items():
+            # the reference takes the computed context and predicts the last (uncomputed) token itself
+            *context, last = seqs[seq_id].token_ids
+            ref = draft(good_drafter, torch.tensor([context]), len(held.tokens), kv_share=mode == "kvshare")
+            assert ref.next_token.item() == last
+            assert held.tokens == ref.tokens[0].tolist()
+            checked += 1
+    assert checked >= 8
+
+
+def test_rejected_drafts_leave_exactly_the_kv_of_the_accepted_tokens(noise_drafter):
+    """After every step, the target and MTP caches hold, at each computed position, the KV a dense
+    forward of the sequence's tokens computes: the slots a verify wrote for rejected drafts are
+    not counted as computed, and the next verify rewrites them."""
+    model, cfg = noise_drafter, noise_drafter.cfg
+    llm = _spec(model, mtp_mode="baseline", max_num_batched_tokens=64)  # baseline: lookahead slots too
+    for prompt in _prompts([61, 20], seed=3):
+        llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    seqs = list(llm.scheduler.waiting)
+    layers, kv_width = cfg.num_hidden_layers, cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    while llm.has_unfinished():
+        llm.step()
+        running = [s for s in seqs if s.status is SequenceStatus.RUNNING]
+        llm.block_manager.check_invariants(running)
+        for seq in running:
+            n = seq.num_computed_tokens
+            slots = torch.tensor(llm.block_manager.slots(seq, 0, n))
+            ids = torch.tensor([seq.token_ids])
+            dense = [LayerCache() for _ in range(layers)]
+            with torch.no_grad():
+                hidden = model.hidden_states(ids[:, :n], caches=dense)
+                mtp_cache, positions = LayerCache(), torch.arange(n)[None]
+                cos, sin = model.rotary(positions, hidden.dtype)
+                model.mtp[0](hidden, model.embed(ids[:, 1 : n + 1]), cos, sin, positions, cache=mtp_cache)
+            for i, (kv, index) in enumerate(llm.runner.caches):
+                want = dense[i] if i < layers else mtp_cache
+                got = read_kv(kv, slots, cfg.kv_lora_rank)
+                assert got.shape == (n, kv_width)
+                assert torch.allclose(got, torch.cat([want.c[0], want.k_pe[0]], -1), atol=1e-5)
+                if index is not None:
+                    keys, _ = read_index_k(index, slots, cfg.index_head_dim)
+                    assert torch.allclose(keys, want.index_k[0], atol=1e-5)
+    stats = llm.stats.spec_decode
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens < stats.num_draft_tokens / 4
+    assert llm.block_manager.num_used_blocks == 0
+
+
+def test_prefix_hits_leave_the_last_matching_block_to_recompute(good_drafter):
+    """The MTP KV of a block's last position depends on the next block's first token, which the
+    block's hash does not cover: a speculative engine recomputes the last matching block."""
+    shared = _prompts([150], seed=4)[0]
+    prompts = [shared + tail for tail in _prompts([7, 20], seed=6)]
+    llm = _spec(good_drafter)
+    first = llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+    second = llm.generate(prompts[1:], GREEDY, use_tqdm=False)
+    assert second[0].num_cached_tokens == BLOCK_SIZE  # not 2 blocks, as without speculative decoding
+    want = LLM(good_drafter, device="cpu", num_blocks=32).generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in first + second] == [o.token_ids for o in want]
+
+
+# ------------------------------------------------------------------------------ sampling
+def test_sampling_reproduces_the_target_distribution_end_to_end():
+    """Many samples of the first two tokens after a prompt, from a 16-token vocabulary: the second
+    comes out of a verify (an accepted draft or a replacement from the residual), and its marginal
+    must equal the target's Σ_t p(t | prompt) p(· | prompt, t), by a chi-square test."""
+    from test_rejection_sampler import P_VALUE, chi_square_p_value
+
+    vocab = 16
+    cfg = ModelConfig.from_pretrained("tiny").replace(vocab_size=vocab, index_topk=16, index_n_heads=16,
+                                                      num_hidden_layers=2, eos_token_id=[vocab - 1])
+    model = build_model(cfg, seed=1)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    # max_tokens 3: the verify after the prefill's token checks one draft for the second token. With
+    # 1200 samples, resampling rejections from p instead of the residual fails at p < 1e-7 here.
+    params = SamplingParams(temperature=0.15, max_tokens=3, ignore_eos=True, n=1200)
+    llm = LLM(model, device="cpu", num_blocks=400, max_num_seqs=400, num_speculative_tokens=2, seed=0)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    stats = llm.stats.spec_decode
+    assert 0 < stats.num_accepted_tokens < stats.num_drafts, "the test needs accepted and rejected drafts"
+    second = torch.tensor([c.token_ids[1] for c in out.outputs])
+    with torch.no_grad():
+        p1 = torch.softmax(model(torch.tensor([prompt]))[0, -1] / params.temperature, -1)
+        contexts = torch.tensor([prompt + [t] for t in range(vocab)])
+        p2 = torch.softmax(model(contexts)[:, -1] / params.temperature, -1)  # [t, V]
+    marginal = p1 @ p2
+    # cells expected to hold fewer than 5 samples are pooled into the most likely one
+    small = marginal * len(second) < 5
+    pooled_ids = torch.where(small[second], int(marginal.argmax()), second)
+    pooled = marginal.masked_fill(small, 0.0)
+    pooled[marginal.argmax()] += marginal[small].sum()
+    assert chi_square_p_value(pooled_ids, pooled) > P_VALUE
+
+
+def test_seeded_sampling_is_reproducible_alone_and_batched(good_drafter):
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=123, ignore_eos=True)
+    others = SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True)
+    prompt, *rest = _prompts([20, 33, 9])
+    alone = _spec(good_drafter).generate([prompt], params, use_tqdm=False)[0].token_ids
+    batched = _spec(good_drafter).generate([*rest, prompt], [others, others, params], use_tqdm=False)
+    assert batched[-1].token_ids == alone
+
+
+# ------------------------------------------------------------------------------ scheduler
+def _prefilled(scheduler, prompts_and_max_tokens):
+    """Sequences (prompt length, max_tokens) admitted and prefilled in one step, each holding its
+    first output token: decoding from the next step on."""
+    seqs = [Sequence(i, list(range(n)), SamplingParams(max_tokens=m))
+            for i, (n, m) in enumerate(prompts_and_max_tokens)]
+    for seq in seqs:
+        scheduler.add(seq)
+    out = scheduler.schedule()
+    assert [item.seq for item in out.scheduled if item.samples] == seqs
+    scheduler.postprocess(out, {seq.seq_id: 7 for seq in seqs})
+    return seqs
+
+
+def test_scheduler_caps_drafts_by_what_is_held_the_limits_and_the_budget():
+    sched = Scheduler(SchedulerConfig(max_model_len=20, max_num_seqs=4, max_num_batched_tokens=32,
+                                      num_speculative_tokens=4), BlockManager(16))
+    a, b, c = _prefilled(sched, [(5, 50), (16, 50), (5, 3)])
+    # b has 17 of max_model_len = 20 tokens: 2 accepted drafts + 1 fill it; c has 1 of 3 outputs
+    assert [sched.max_draft_tokens(s) for s in (a, b, c)] == [4, 2, 1]
+    out = sched.schedule({0: 4, 1: 4, 2: 4})
+    assert {i.seq.seq_id: (i.num_tokens, i.num_draft_tokens) for i in out.scheduled} == {0: (1, 4), 1: (1, 2),
+                                                                                        2: (1, 1)}
+    assert out.num_batched_tokens == 5 + 3 + 2
+    # a verify emits its accepted drafts + 1; only positions computed with accepted tokens count
+    sched.postprocess(out, {0: [11, 12], 1: [21, 22, 23], 2: [31]})
+    assert (a.num_tokens, a.num_computed_tokens) == (8, 7)  # its last token and 1 accepted draft
+    assert (b.num_tokens, b.num_computed_tokens) == (20, 19)
+    assert (c.num_tokens, c.num_computed_tokens) == (7, 6)
+    assert a.token_ids[5:] == [7, 11, 12]
+
+    # drafts also stop at what the token budget leaves
+    tight = Scheduler(SchedulerConfig(max_model_len=200, max_num_seqs=1, max_num_batched_tokens=3,
+                                      num_speculative_tokens=4), BlockManager(16))
+    _prefilled(tight, [(3, 50)])
+    out = tight.schedule({0: 4})
+    assert out.scheduled[0].num_draft_tokens == 2 and out.num_batched_tokens == 3
+    with pytest.raises(ValueError, match="emits 1 to 3 tokens"):
+        tight.postprocess(out, {0: [1, 2, 3, 4]})
+
+
+def test_lookahead_slots_are_reserved_capped_and_returned():
+    bm = BlockManager(8)
+    config = SchedulerConfig(max_model_len=400, num_speculative_tokens=3, num_lookahead_slots=2)
+    sched = Scheduler(config, bm)
+    (seq,) = _prefilled(sched, [(BLOCK_SIZE - 4, 100)])  # 60 positions + 2 lookahead slots: one block
+    assert seq.num_blocks == 1
+    out = sched.schedule({0: 3})  # verifies positions 60 .. 63, lookahead 64, 65: a second block
+    assert out.scheduled[0].num_draft_tokens == 3 and seq.num_blocks == 2
+    sched.postprocess(out, {0: [5]})  # every draft rejected
+    assert seq.num_blocks == 2 and bm.blocks_for(seq.num_tokens) == 1
+    sched.schedule({})  # a plain decode (no drafts held): the spare block goes back first
+    assert seq.num_blocks == 1 and bm.num_used_blocks == 1
+    bm.check_invariants([seq])
+    # reservations stop at max_kv_tokens, prompt + max_tokens - 1 = 64 positions here: never a second block
+    short_sched = Scheduler(config, BlockManager(8))
+    (short,) = _prefilled(short_sched, [(BLOCK_SIZE - 1, 2)])
+    out = short_sched.schedule({0: 3})
+    assert out.scheduled[0].num_draft_tokens == 0 and short.num_blocks == 1
+
+
+# ------------------------------------------------------------------------------ stats, metrics, errors
+def test_stats_count_drafts_per_position_and_per_request(good_drafter):
+    stats = SpecDecodeStats(3)
+    for drafted, accepted in [(3, 3), (3, 0), (2, 1)]:
+        stats.record(drafted, accepted)
+    assert stats.mean_acceptance_length == (4 + 1 + 2) / 3
+    assert stats.acceptance_rate_per_position == [2 / 3, 1 / 3, 1 / 2]
+
+    llm = _spec(good_drafter)
+    outs = llm.generate(_prompts([30, 40]), GREEDY, use_tqdm=False)
+    engine = llm.stats.spec_decode
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert getattr(engine, name) == sum(getattr(o.spec_decode, name) for o in outs) > 0
+    for o in outs:  # the prefill's token, then accepted drafts + 1 a verify (plain decodes add 1 each)
+        assert 1 + o.spec_decode.num_accepted_tokens + o.spec_decode.num_drafts <= len(o.token_ids)
+
+
+def test_metrics_expose_the_draft_counters(good_drafter):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from megactx.serve.metrics import ServerMetrics
+
+    llm = _spec(good_drafter)
+    metrics = ServerMetrics("tiny")
+    metrics.watch_spec_decode(llm.stats.spec_decode)
+    llm.generate(_prompts([30]), GREEDY, use_tqdm=False)
+    samples = {(s.name, s.labels.get("position")): s.value
+               for family in text_string_to_metric_families(metrics.render().decode()) for s in family.samples}
+    stats = llm.stats.spec_decode
+    assert samples[("megactx_spec_decode_num_drafts_total", None)] == stats.num_drafts
+    assert samples[("megactx_spec_decode_num_draft_tokens_total", None)] == stats.num_draft_tokens
+    assert samples[("megactx_spec_decode_num_accepted_tokens_total", None)] == stats.num_accepted_tokens
+    for j in range(GAMMA):
+        assert samples[("megactx_spec_decode_num_accepted_tokens_per_pos_total", str(j))] == \
+            stats.accepted_per_position[j]
+    assert samples[("megactx_spec_decode_mean_acceptance_length", None)] == pytest.approx(
+        stats.mean_acceptance_length)
+
+
+def test_a_speculative_server_serves_the_greedy_tokens_and_its_draft_metrics(good_drafter, capsys):
+    from fastapi.testclient import TestClient
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from megactx.cli import main as cli_main
+    from megactx.serve.api import build_app
+
+    prompt = _prompts([30], seed=8)[0]
+    want = LLM(good_drafter, device="cpu", num_blocks=32).generate([prompt], GREEDY, use_tqdm=False)[0]
+    with TestClient(build_app(_spec(good_drafter), served_model_name="tiny")) as client:
+        # without a tokenizer, logprobs name the tokens by id
+        body = client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "temperature": 0,
+                                                    "max_tokens": GREEDY.max_tokens, "logprobs": 0}).json()
+        assert [int(t.split(":")[1]) for t in body["choices"][0]["logprobs"]["tokens"]] == want.token_ids
+        metrics = {s.name: s.value for family in text_string_to_metric_families(client.get("/metrics").text)
+                   for s in family.samples}
+    assert metrics["megactx_spec_decode_num_accepted_tokens_total"] > 0
+    assert metrics["megactx_spec_decode_mean_acceptance_length"] > 1
+
+    with pytest.raises(SystemExit):
+        cli_main(["serve", "--help"])
+    assert "--mtp-mode" in (help_text := capsys.readouterr().out) and "--draft-acceptance" in help_text
+    assert cli_main(["serve", "--model", "anywhere", "--num-speculative-tokens", "-1"]) == 2
+    assert "must be >= 0" in capsys.readouterr().err
+
+
+def test_bad_speculative_settings_are_refused(noise_drafter):
+    no_mtp = _model(num_nextn_predict_layers=0)
+    with pytest.raises(ValueError, match="needs an MTP layer"):
+        LLM(no_mtp, device="cpu", num_blocks=8, num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="num_speculative_tokens must be an int >= 0"):
+        LLM(noise_drafter, device="cpu", num_blocks=8, num_speculative_tokens=-1)
+    with pytest.raises(ValueError, match="mtp_mode must be one of"):
+        LLM(noise_drafter, device="cpu", num_blocks=8, num_speculative_tokens=2, mtp_mode="fast")
+    with pytest.raises(ValueError, match="draft_acceptance must be one of"):
+        LLM(noise_drafter, device="cpu", num_blocks=8, num_speculative_tokens=2, draft_acceptance="greedy")
+
+
+# ------------------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["kvshare", "baseline"])
+def test_triton_speculative_greedy_equals_non_speculative(good_drafter, mode):
+    """On CUDA through the Triton kernels, fp32 weights and exact caches (so only summation order
+    differs): the non-speculative engine's tokens, and the drafter's tokens accepted as on a CPU."""
+    prompts = _prompts([5, 100, 70, 3, 64])
+    cuda = good_drafter.to("cuda")
+    try:
+        kwargs = dict(device="cuda", dtype=torch.float32, index_cache_dtype="auto", num_blocks=64, max_num_seqs=8,
+                      max_model_len=1024, cuda_graphs=False)
+        want = LLM(cuda, **kwargs).generate(prompts, GREEDY, use_tqdm=False)
+        llm = LLM(cuda, num_speculative_tokens=GAMMA, mtp_mode=mode, **kwargs)
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+        assert llm.stats.spec_decode.mean_acceptance_length > 1.5
+    finally:
+        good_drafter.to("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("acceptance", ["rejection", "target-only"])
+def test_triton_speculative_sampling_in_bf16_with_an_fp8_indexer_cache(acceptance):
+    """The production path (bf16 weights, FP8 indexer cache, Triton kernels) drafts, verifies and
+    samples: every request completes, and the bigram drafter's drafts are accepted. The MLA cache
+    stays bf16: the tiny latent (64 wide) cannot take the FP8 layout's groups of 128 values."""
+    model = _model(BIGRAM_SCALE).cast(torch.bfloat16).to("cuda")  # router and indexer head weights stay fp32
+    llm = LLM(model, device="cuda", kv_cache_dtype="bf16", index_cache_dtype="fp8", num_blocks=64, max_num_seqs=8,
+              max_model_len=1024,
+              num_speculative_tokens=GAMMA, draft_acceptance=acceptance)
+    params = [SamplingParams(temperature=t, max_tokens=32, ignore_eos=True, seed=s)
+              for t, s in [(0.0, None), (0.3, 1), (0.8, None), (1.0, 2)]]
+    outs = llm.generate(_prompts([5, 100, 70, 300]), params, use_tqdm=False)
+    assert all(len(o.token_ids) == 32 for o in outs)
+    # target-only accepts a greedy draft with probability p(x) only: far fewer at temperature 0.8-1
+    assert llm.stats.spec_decode.mean_acceptance_length > (1.3 if acceptance == "rejection" else 1.05)
+    assert llm.block_manager.num_used_blocks == 0
