@@ -15,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     from megactx.demo import add_demo_parser
     from megactx.generate import add_generate_parser
     from megactx.serve import add_serve_parser
+    from megactx.train.cli import add_train_parser
 
     parser = argparse.ArgumentParser(
         prog="megactx",
@@ -27,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo_parser(sub)
     add_flops_parser(sub)
     add_bench_parser(sub)
+    add_train_parser(sub)
     return parser
 
 

@@ -151,6 +151,11 @@ class MLA(nn.Module):
         self.indexer = Indexer(cfg) if has_indexer else None
         self.absorbed = False  # which of the two equal forms forward() computes
         self.indexer_fp8 = False  # simulate the FP8 indexer instead of the exact one
+        # Opt-in training path: a callable (module, *forward's arguments) -> forward's result that
+        # replaces the computation below (megactx.train.losses.TrainingAttention installs one for the
+        # duration of a training forward: chunked, recomputed, capturing attention for the indexer
+        # losses). None: the reference.
+        self.training_attention = None
 
     # -- projections ------------------------------------------------------------------
     def project_q(self, x, cos, sin):
@@ -209,6 +214,8 @@ class MLA(nn.Module):
 
         With a `PagedLayerCache` the same layer runs over paged caches instead (see `forward_paged`).
         """
+        if self.training_attention is not None:
+            return self.training_attention(self, x, cos, sin, positions, topk, cache, write_kv)
         if isinstance(cache, PagedLayerCache):
             return self.forward_paged(x, cos, sin, topk, cache, write_kv)
         q_resid, q_nope, q_pe = self.project_q(x, cos, sin)

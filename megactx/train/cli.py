@@ -1,0 +1,121 @@
+"""`megactx train`: run the DSA / IndexShare recipe's stages (see megactx.train.recipe).
+
+    megactx train --smoke --out runs/smoke                 # every stage on a micro model, CPU, seconds
+    megactx train --recipe tiny --out runs/tiny            # megactx-tiny on the stdlib corpus (GPU)
+    megactx train --recipe tiny --out runs/tiny --stages sparse,extend --time-limit 25
+    megactx train --recipe tiny --out runs/tiny --stages mtp_warmup,mtp --mtp-loss tv
+    torchrun --nproc-per-node 2 -m megactx train --recipe tiny --out runs/tiny   # data parallel
+
+Every stage resumes its own checkpoint and starts from the previous stage's, so a run cut by
+--time-limit or --max-steps continues where it stopped when the same command is run again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+AUTO = "auto"
+AUTO_CONTEXTS = tuple(1 << p for p in range(16, 21))  # --context auto tries 64K, 128K, ... 1M tokens
+
+
+def add_train_parser(subparsers: Any) -> None:
+    """Register `train` on an argparse subparsers object."""
+    from megactx.train.recipe import RECIPES, STAGE_KINDS
+
+    p = subparsers.add_parser("train", help="train a model with the DSA / IndexShare recipe (resumable stages)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipe", choices=sorted(RECIPES), default="tiny", help="the recipe (default: tiny)")
+    p.add_argument("--smoke", action="store_true", help="shorthand for --recipe smoke: every stage, micro model, CPU")
+    p.add_argument("--out", type=Path, default=None, help="run directory (default: runs/<recipe>)")
+    p.add_argument("--stages", default=None,
+                   help=f"comma-separated stages to run, in recipe order (default: all of {', '.join(STAGE_KINDS)})")
+    p.add_argument("--data", choices=("synthetic", "code"), default=None, help="override the recipe's data")
+    p.add_argument("--data-dir", type=Path, default=None, help="prepared corpus + tokenizer (default: <out>/data)")
+    p.add_argument("--steps-scale", type=float, default=1.0, help="multiply every stage's steps (default: 1)")
+    p.add_argument("--max-steps", type=int, default=None, help="at most this many steps a stage in this run")
+    p.add_argument("--time-limit", type=float, default=None, help="stop (with a checkpoint) after this many minutes")
+    p.add_argument("--context", default=None,
+                   help=f"sequence length of the extend stage, or '{AUTO}': the longest that fits this GPU "
+                        "(and --context-budget)")
+    p.add_argument("--context-budget", type=float, default=None,
+                   help="with --context auto: minutes the extend stage may take")
+    p.add_argument("--mtp-loss", choices=("ce", "tv", "ce+tv"), default=None, help="MTP objective (default: ce)")
+    p.add_argument("--mtp-share", action=argparse.BooleanOptionalAction, default=None,
+                   help="IndexShare + KVShare across MTP steps (default: on)")
+    p.add_argument("--parallel", choices=("auto", "fsdp", "ddp"), default=None, help="data-parallel wrapper")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--export", type=Path, default=None,
+                   help="after the run, write the last finished stage's model (bf16, with tokenizer) here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run_train)
+
+
+def build_recipe(args: argparse.Namespace):
+    import dataclasses
+
+    from megactx.train.recipe import RECIPES
+
+    recipe = RECIPES["smoke" if args.smoke else args.recipe]()
+    changes: dict[str, Any] = {}
+    if args.data:
+        changes["data"] = args.data
+    if args.mtp_loss:
+        changes["mtp_loss"] = args.mtp_loss
+    if args.mtp_share is not None:
+        changes["mtp_share"] = args.mtp_share
+    recipe = dataclasses.replace(recipe, **changes)
+    if args.steps_scale != 1.0:
+        recipe = recipe.scaled(args.steps_scale)
+    if args.parallel:
+        for stage in recipe.stages:
+            stage.train = dataclasses.replace(stage.train, parallel=args.parallel)
+    if args.context and args.context != AUTO:
+        try:
+            length = int(args.context)
+        except ValueError:
+            raise ValueError(f"--context must be a number of tokens or '{AUTO}', got {args.context!r}") from None
+        for stage in recipe.stages:
+            if stage.kind == "extend":
+                stage.train = dataclasses.replace(stage.train, seq_len=length)
+    return recipe
+
+
+def run_train(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from megactx.train.recipe import export_model, find_max_context, run_recipe, stage_progress
+    from megactx.train.trainer import CHECKPOINT, init_distributed
+
+    try:
+        recipe = build_recipe(args)
+    except ValueError as e:
+        print(f"megactx train: error: {e}", file=sys.stderr)
+        return 2
+    out = args.out or Path("runs") / recipe.name
+    ctx = init_distributed(args.device)
+    stages = [s.strip() for s in args.stages.split(",")] if args.stages else None
+    log = print if ctx.is_main else (lambda *a, **k: None)
+    try:
+        if args.context == AUTO:
+            index = recipe.stage_index("extend")
+            budget = None if args.context_budget is None else args.context_budget * 60
+            length = find_max_context(recipe, index, out, list(AUTO_CONTEXTS), ctx, budget, log)
+            recipe.stages[index].train = dataclasses.replace(recipe.stages[index].train, seq_len=length)
+            log(f"extend stage: context {length}")
+        run_recipe(recipe, out, stages, args.data_dir, ctx, args.max_steps,
+                   None if args.time_limit is None else args.time_limit * 60, not args.no_progress, log)
+    except ValueError as e:
+        print(f"megactx train: error: {e}", file=sys.stderr)
+        return 2
+    if args.export and ctx.is_main:
+        done = [i for i in range(len(recipe.stages))
+                if stage_progress(out / recipe.stage_name(i)) >= recipe.stages[i].train.steps]
+        if not done:
+            print("megactx train: error: no finished stage to export yet", file=sys.stderr)
+            return 2
+        path = export_model(out / recipe.stage_name(done[-1]) / CHECKPOINT, args.export)
+        log(f"exported {recipe.stage_name(done[-1])} to {path}")
+    return 0

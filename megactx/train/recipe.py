@@ -1,0 +1,422 @@
+"""The DSA / IndexShare training recipe as separate, resumable stages.
+
+| stage      | attention                        | trains                   | loss                                    |
+|------------|----------------------------------|--------------------------|-----------------------------------------|
+| dense      | dense, an indexer in every layer | backbone (not indexers)  | LM cross-entropy                        |
+| warmup     | dense                            | indexers only            | KL(attention summed over heads ‖ index) |
+| sparse     | top-k, IndexShare from here on   | backbone + kept indexers | LM + multi-layer distillation KL        |
+| extend     | top-k, the longest context       | backbone + kept indexers | as sparse (+ needle tasks, code data)   |
+| mtp_warmup | backbone top-k, MTP dense        | MTP layer (+ indexer)    | MTP CE and/or TV (γ steps) + KL warm-up |
+| mtp        | top-k, IndexShare + KVShare      | MTP layer (+ indexer)    | MTP CE and/or TV + distillation KL      |
+
+Stages 1–2 run the recipe's architecture with `indexer_types` all "full" (DSA in every layer);
+`sparse` converts it to the recipe's IndexShare pattern, keeping the indexers of the full layers
+(each warmed up on its own layer) and dropping the others; from then on each kept indexer learns
+the mean attention of the layers it serves. The MTP stages set `index_share_for_mtp_iteration` to
+the recipe's `mtp_share`, so the checkpoint drafts at inference exactly as it was trained.
+
+Each stage lives in `<out>/<stage>/` (checkpoint, metrics.jsonl, loss.png; the MTP stages' names
+carry their loss and sharing, e.g. `mtp-tv-share`, so ablations share the backbone stages), starts
+from the previous stage's finished checkpoint, and resumes its own checkpoint when one exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from megactx.config import ModelConfig
+from megactx.model import build_model, load_model, save_pretrained
+from megactx.model.transformer import Transformer
+from megactx.train.losses import DEFAULT_CHUNK_BYTES, LossConfig, Objective
+from megactx.train.trainer import (
+    CHECKPOINT,
+    STATE_FILE,
+    DistContext,
+    FitResult,
+    RandomTokens,
+    TokenSource,
+    TrainConfig,
+    Trainer,
+    agree,
+    init_distributed,
+)
+
+STAGE_KINDS = ("dense", "warmup", "sparse", "extend", "mtp_warmup", "mtp")
+MTP_KINDS = ("mtp_warmup", "mtp")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+@dataclass
+class Stage:
+    kind: str  # one of STAGE_KINDS
+    train: TrainConfig
+
+    def __post_init__(self) -> None:
+        if self.kind not in STAGE_KINDS:
+            raise ValueError(f"stage kind must be one of {', '.join(STAGE_KINDS)}, got {self.kind!r}")
+
+
+@dataclass
+class Recipe:
+    """A model architecture and its stages.
+
+    model: the final architecture (its indexer_types is the IndexShare pattern of the stages from
+    `sparse` on). data: "synthetic" (RandomTokens) or "code" (megactx.train.data: the stdlib corpus
+    and its tokenizer, whose vocabulary replaces the model's). needle_fraction: share of the
+    `extend` stage's sequences that are needle tasks (code data only). mtp_steps: γ; mtp_loss:
+    "ce", "tv" or "ce+tv"; mtp_share: IndexShare + KVShare across the MTP steps."""
+
+    name: str
+    model: ModelConfig
+    stages: list[Stage]
+    data: str = "synthetic"
+    needle_fraction: float = 0.0
+    mtp_steps: int = 7
+    mtp_loss: str = "ce"
+    mtp_share: bool = True
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.data not in ("synthetic", "code"):
+            raise ValueError(f"data must be 'synthetic' or 'code', got {self.data!r}")
+        if not 0.0 <= self.needle_fraction <= 1.0:
+            raise ValueError(f"needle_fraction must be in [0, 1], got {self.needle_fraction}")
+        if any(s.kind in MTP_KINDS for s in self.stages) and not self.model.num_nextn_predict_layers:
+            raise ValueError("MTP stages need model.num_nextn_predict_layers >= 1")
+        LossConfig(mtp_steps=self.mtp_steps, mtp_loss=self.mtp_loss)  # validates both
+
+    def stage_name(self, index: int) -> str:
+        kind = self.stages[index].kind.replace("_", "-")
+        if self.stages[index].kind in MTP_KINDS:
+            return f"{kind}-{self.mtp_loss.replace('+', '')}-{'share' if self.mtp_share else 'noshare'}"
+        return kind
+
+    def stage_index(self, name_or_kind: str) -> int:
+        for i, stage in enumerate(self.stages):
+            if name_or_kind in (stage.kind, self.stage_name(i)):
+                return i
+        names = ", ".join(self.stage_name(i) for i in range(len(self.stages)))
+        raise ValueError(f"recipe {self.name!r} has no stage {name_or_kind!r}; its stages: {names}")
+
+    def scaled(self, factor: float) -> Recipe:
+        """The same recipe with every stage's steps (and warm-up) times `factor` (at least 1)."""
+        stages = [Stage(s.kind, dataclasses.replace(s.train, steps=max(1, round(s.train.steps * factor)),
+                                                    warmup_steps=round(s.train.warmup_steps * factor)))
+                  for s in self.stages]
+        return dataclasses.replace(self, stages=stages)
+
+
+# ---------------------------------------------------------------------------------------------
+# What each stage means for the model
+# ---------------------------------------------------------------------------------------------
+def stage_model_config(recipe: Recipe, index: int) -> ModelConfig:
+    """The architecture stage `index` trains: every layer full before `sparse`, the recipe's
+    IndexShare pattern from it on; max_position_embeddings raised to the longest sequence trained
+    so far; MTP sharing as the recipe says."""
+    cfg = recipe.model
+    kind = recipe.stages[index].kind
+    if kind in ("dense", "warmup"):
+        cfg = cfg.replace(indexer_types=["full"] * cfg.num_hidden_layers, index_topk_pattern=None)
+    longest = max(s.train.seq_len for s in recipe.stages[: index + 1])
+    if longest > cfg.max_position_embeddings:
+        cfg = cfg.replace(max_position_embeddings=longest)
+    if kind in MTP_KINDS:
+        cfg = cfg.replace(index_share_for_mtp_iteration=recipe.mtp_share)
+    return cfg
+
+
+def loss_config(recipe: Recipe, kind: str) -> LossConfig:
+    mtp = dict(lm=False, attention="sparse", indexers="mtp", mtp_steps=recipe.mtp_steps, mtp_loss=recipe.mtp_loss,
+               mtp_share=recipe.mtp_share, chunk_bytes=recipe.chunk_bytes)
+    return {
+        "dense": LossConfig(lm=True, attention="dense", chunk_bytes=recipe.chunk_bytes),
+        "warmup": LossConfig(lm=False, attention="dense", indexers="backbone", chunk_bytes=recipe.chunk_bytes),
+        "sparse": LossConfig(lm=True, attention="sparse", indexers="backbone", chunk_bytes=recipe.chunk_bytes),
+        "extend": LossConfig(lm=True, attention="sparse", indexers="backbone", chunk_bytes=recipe.chunk_bytes),
+        "mtp_warmup": LossConfig(**mtp, mtp_attention="dense"),
+        "mtp": LossConfig(**mtp, mtp_attention="sparse"),
+    }[kind]
+
+
+def set_trainable(model: Transformer, kind: str) -> None:
+    """requires_grad for stage `kind`: dense trains the backbone without its (unused) indexers;
+    warmup only the backbone's indexers; sparse / extend the backbone with its indexers; the MTP
+    stages only the MTP layer (embedding and head are the backbone's, frozen). The routers'
+    e_score_correction_bias never takes gradients (trainer.ExpertBalancer moves it)."""
+    if kind not in STAGE_KINDS:
+        raise ValueError(f"kind must be one of {', '.join(STAGE_KINDS)}, got {kind!r}")
+    for name, p in model.named_parameters():
+        indexer, mtp = ".indexer." in name, name.startswith("mtp.")
+        trains = {"dense": not mtp and not indexer, "warmup": indexer and not mtp,
+                  "sparse": not mtp, "extend": not mtp}.get(kind, mtp)
+        p.requires_grad_(trains and not name.endswith("e_score_correction_bias"))
+
+
+def adapt_model(model: Transformer, cfg: ModelConfig) -> Transformer:
+    """`model`'s weights in architecture `cfg`: the same tensors, minus the indexers of layers that
+    `cfg` makes shared (the IndexShare conversion). Any other difference in tensors is refused."""
+    if model.cfg.to_dict() == cfg.to_dict():
+        return model
+    with torch.device("meta"):
+        new = Transformer(cfg)
+    new.to_empty(device=model.lm_head.weight.device)
+    old = model.state_dict()
+    wanted = new.state_dict()
+    missing = sorted(set(wanted) - set(old))
+    dropped = sorted(set(old) - set(wanted))
+    if missing or any(".indexer." not in name for name in dropped):
+        raise ValueError(f"cannot convert {model.cfg.indexer_types} to {cfg.indexer_types}: missing {missing[:4]}, "
+                         f"unexpected {[n for n in dropped if '.indexer.' not in n][:4]} (a layer that turns full "
+                         "has no trained indexer to keep)")
+    bad = [name for name in wanted if old[name].shape != wanted[name].shape]
+    if bad:
+        raise ValueError(f"cannot convert: shapes differ for {bad[:4]}")
+    new.load_state_dict({name: old[name] for name in wanted})
+    return new
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class CodeSource:
+    """The stdlib code corpus (megactx.train.data) as a TokenSource: packed rows of the train split
+    in the hashed order of epoch e's seed, epoch after epoch; with needle_fraction > 0, every
+    round(1 / needle_fraction)-th example is a needle task instead (loss on its answer only)."""
+
+    data: object  # megactx.train.data.TrainingData
+    seed: int = 0
+    needle_fraction: float = 0.0
+    _packed: dict = field(default_factory=dict, repr=False)  # (seq_len, epoch) -> PackedDataset
+    _needles: object = field(default=None, repr=False)
+
+    def _epoch(self, seq_len: int, epoch: int):
+        key = (seq_len, epoch)
+        if key not in self._packed:
+            from megactx.train.data import PackedDataset
+
+            if len(self._packed) >= 2:  # consecutive steps touch at most two epochs
+                self._packed.pop(next(iter(self._packed)))
+            rows = self.data.pretraining_sequences(seq_len - 1, "train", self.seed + epoch)
+            self._packed[key] = PackedDataset(rows, seed=self.seed + epoch)
+        return self._packed[key]
+
+    def _needle(self, n: int, seq_len: int) -> dict[str, torch.Tensor]:
+        from megactx.train.needles import NeedleDataset
+
+        if self._needles is None:
+            self._needles = self.data.needles("train")
+        return NeedleDataset(self._needles, seq_len - 1, num_examples=n + 1, seed=self.seed)[n]
+
+    def examples(self, start: int, count: int, seq_len: int) -> dict[str, torch.Tensor]:
+        every = round(1 / self.needle_fraction) if self.needle_fraction else 0
+        per_epoch = len(self._epoch(seq_len, 0))  # every epoch packs the same documents: same row count
+        rows = []
+        for n in range(start, start + count):
+            if every and n % every == 0:
+                rows.append(self._needle(n // every, seq_len))
+            else:
+                rows.append(self._epoch(seq_len, n // per_epoch)[n % per_epoch])
+        return {"input_ids": torch.stack([r["input_ids"] for r in rows]),
+                "loss_mask": torch.stack([r["loss_mask"] for r in rows])}
+
+
+def prepare_recipe_data(recipe: Recipe, data_dir: str | Path | None, out_dir: Path
+                        ) -> tuple[Recipe, object | None, list[Path]]:
+    """For code data: prepare the corpus and tokenizer in data_dir (default <out>/data), fit the
+    recipe's vocabulary and EOS to the tokenizer, and write the tokenizer files every checkpoint
+    carries. -> (recipe, TrainingData or None, tokenizer files)."""
+    if recipe.data == "synthetic":
+        return recipe, None, []
+    from megactx.train.data import prepare_data
+
+    data = prepare_data(Path(data_dir) if data_dir else out_dir / "data", vocab_size=recipe.model.vocab_size)
+    tok_dir = out_dir / "tokenizer"
+    if not (tok_dir / "tokenizer.json").exists():
+        data.save_tokenizer(tok_dir)
+    files = [tok_dir / f for f in TOKENIZER_FILES if (tok_dir / f).exists()]
+    model = recipe.model.replace(vocab_size=data.tokenizer.get_vocab_size(), eos_token_id=[data.end_id],
+                                 pad_token_id=data.end_id, bos_token_id=None)
+    return dataclasses.replace(recipe, model=model), data, files
+
+
+def stage_source(recipe: Recipe, index: int, data) -> TokenSource:
+    if recipe.data == "synthetic":
+        return RandomTokens(recipe.model.vocab_size, seed=recipe.seed)
+    fraction = recipe.needle_fraction if recipe.stages[index].kind == "extend" else 0.0
+    return CodeSource(data, seed=recipe.seed, needle_fraction=fraction)
+
+
+# ---------------------------------------------------------------------------------------------
+# Running stages
+# ---------------------------------------------------------------------------------------------
+def stage_progress(stage_dir: Path) -> int:
+    """Optimizer steps a stage directory's checkpoint has done (0: none)."""
+    state = stage_dir / CHECKPOINT / STATE_FILE
+    return torch.load(state, map_location="cpu", weights_only=False)["step"] if state.exists() else 0
+
+
+def stage_model(recipe: Recipe, index: int, out_dir: Path) -> Transformer:
+    """The model stage `index` starts from: fresh (seeded) for the first stage, else the previous
+    stage's finished checkpoint adapted to this stage's architecture."""
+    cfg = stage_model_config(recipe, index)
+    if index == 0:
+        return build_model(cfg, seed=recipe.seed)
+    prev_dir = out_dir / recipe.stage_name(index - 1)
+    prev_steps = recipe.stages[index - 1].train.steps
+    if stage_progress(prev_dir) < prev_steps:
+        raise ValueError(f"stage {recipe.stage_name(index)} starts from {prev_dir / CHECKPOINT}, which is not "
+                         f"finished ({stage_progress(prev_dir)} of {prev_steps} steps); run "
+                         f"{recipe.stage_name(index - 1)} first")
+    return adapt_model(load_model(prev_dir / CHECKPOINT, dtype=torch.float32), cfg)
+
+
+def run_stage(recipe: Recipe, index: int, out_dir: str | Path, source: TokenSource, extra_files=(),
+              ctx: DistContext | None = None, max_steps: int | None = None, time_limit_s: float | None = None,
+              progress: bool = True) -> FitResult:
+    """Train stage `index` of `recipe` in <out_dir>/<stage name>/ (resuming it if begun)."""
+    out_dir = Path(out_dir)
+    stage = recipe.stages[index]
+    model = stage_model(recipe, index, out_dir)
+    set_trainable(model, stage.kind)
+    objective = Objective(model, loss_config(recipe, stage.kind))
+    trainer = Trainer(objective, source, stage.train, out_dir / recipe.stage_name(index), extra_files, ctx,
+                      progress, label=f"{recipe.name}/{recipe.stage_name(index)}")
+    try:
+        return trainer.fit(max_steps, time_limit_s)
+    finally:
+        trainer.close()
+
+
+def run_recipe(recipe: Recipe, out_dir: str | Path, stages: list[str] | None = None, data_dir: str | Path | None = None,
+               ctx: DistContext | None = None, max_steps: int | None = None, time_limit_s: float | None = None,
+               progress: bool = True, log=print) -> list[FitResult]:
+    """Run `stages` (names or kinds; default all) in recipe order, skipping finished ones and
+    stopping at the first that max_steps or time_limit_s (over the whole call) leaves unfinished.
+    Returns the results of the stages that ran."""
+    out_dir = Path(out_dir)
+    ctx = ctx or init_distributed()
+    recipe, data, extra = prepare_recipe_data(recipe, data_dir, out_dir)
+    chosen = sorted({recipe.stage_index(s) for s in stages}) if stages else list(range(len(recipe.stages)))
+    start, results = time.perf_counter(), []
+    for index in chosen:
+        name, steps = recipe.stage_name(index), recipe.stages[index].train.steps
+        if stage_progress(out_dir / name) >= steps:
+            log(f"{name}: finished ({steps} steps), skipped")
+            continue
+        left = None if time_limit_s is None else time_limit_s - (time.perf_counter() - start)
+        if agree(left is not None and left <= 0):
+            break
+        result = run_stage(recipe, index, out_dir, stage_source(recipe, index, data), extra, ctx, max_steps, left,
+                           progress)
+        results.append(result)
+        loss = f", loss {result.history[-1]['loss']:.4f}" if result.history else ""
+        log(f"{name}: {result.step}/{steps} steps{loss}, checkpoint {result.checkpoint}")
+        if not result.finished:
+            break
+    return results
+
+
+def export_model(checkpoint: str | Path, out: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Copy a stage checkpoint as a shippable model directory: weights in `dtype` (router and
+    indexer head weights stay fp32), config and tokenizer files; no trainer state."""
+    checkpoint, out = Path(checkpoint), Path(out)
+    save_pretrained(load_model(checkpoint, dtype=torch.float32), out, dtype=dtype)
+    for name in TOKENIZER_FILES:
+        if (checkpoint / name).exists():
+            shutil.copy2(checkpoint / name, out / name)
+    return out
+
+
+def find_max_context(recipe: Recipe, index: int, out_dir: str | Path, lengths: list[int],
+                     ctx: DistContext | None = None, budget_s: float | None = None, log=print) -> int:
+    """The longest of `lengths` (ascending) at which stage `index` runs one optimizer step of one
+    sequence a rank on this GPU without running out of memory, and, with budget_s, whose stage
+    (steps × accumulation × measured step time) fits in it. Stops at the first that does not."""
+    ctx = ctx or init_distributed()
+    if ctx.device.type != "cuda":
+        raise ValueError("find_max_context measures GPU memory; run it on a CUDA device")
+    stage = recipe.stages[index]
+    best = 0
+    for seq_len in sorted(lengths):
+        model = stage_model(recipe, index, Path(out_dir))
+        set_trainable(model, stage.kind)
+        objective = Objective(model, loss_config(recipe, stage.kind)).to(ctx.device)
+        ids = RandomTokens(recipe.model.vocab_size).examples(0, 1, seq_len)["input_ids"].to(ctx.device)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        try:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss, _ = objective(ids)
+            loss.backward()
+            torch.cuda.synchronize()
+        except torch.cuda.OutOfMemoryError:
+            log(f"context {seq_len}: out of memory")
+            break
+        finally:
+            del objective, model
+            torch.cuda.empty_cache()
+        seconds = time.perf_counter() - t0
+        accum = stage.train.global_batch // (stage.train.micro_batch * ctx.world)
+        total = seconds * accum * stage.train.micro_batch * stage.train.steps
+        log(f"context {seq_len}: {seconds:.2f} s a sequence, peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB, "
+            f"stage ≈ {total / 60:.1f} min")
+        torch.cuda.reset_peak_memory_stats()
+        if budget_s is not None and total > budget_s:
+            break
+        best = seq_len
+    if not best:
+        raise ValueError(f"none of the context lengths {lengths} fits this GPU / budget")
+    return best
+
+
+# ---------------------------------------------------------------------------------------------
+# The recipes
+# ---------------------------------------------------------------------------------------------
+def smoke_recipe() -> Recipe:
+    """Every stage on a micro model for CI: seconds on a CPU. Top-k 16 under sequences of 48–96
+    tokens, so the sparse stages really select; IndexShare pattern FSFS; γ = 7 MTP steps."""
+    model = ModelConfig.from_pretrained("tiny").replace(
+        vocab_size=128, hidden_size=48, intermediate_size=96, moe_intermediate_size=24, num_hidden_layers=4,
+        num_attention_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
+        v_head_dim=16, index_n_heads=4, index_head_dim=32, index_topk=16, n_routed_experts=4, num_experts_per_tok=2,
+        first_k_dense_replace=1, index_topk_pattern="FSFS", max_position_embeddings=128, eos_token_id=[0])
+
+    def train(steps: int, seq_len: int, lr: float) -> TrainConfig:
+        return TrainConfig(steps=steps, seq_len=seq_len, global_batch=4, micro_batch=2, lr=lr, warmup_steps=1)
+
+    stages = [Stage("dense", train(4, 48, 3e-3)), Stage("warmup", train(3, 48, 3e-3)),
+              Stage("sparse", train(3, 48, 1e-3)), Stage("extend", train(2, 96, 5e-4)),
+              Stage("mtp_warmup", train(2, 48, 3e-3)), Stage("mtp", train(2, 48, 1e-3))]
+    return Recipe("smoke", model, stages, chunk_bytes=256 << 10)
+
+
+def tiny_recipe() -> Recipe:
+    """megactx-tiny (the `tiny` preset, ~20M parameters) on the stdlib code corpus, for one H200.
+
+    Tokens: dense 1000 × 16 × 2048 ≈ 33M (about ten passes over the ~3M-token train split),
+    warm-up 6.6M, sparse 600 × 8 × 4096 ≈ 20M, extend 100 × 64K ≈ 6.6M (half needle tasks), MTP
+    2 × ~8M. Scale the steps with `megactx train --steps-scale`."""
+    model = ModelConfig.from_pretrained("tiny")
+
+    def train(steps: int, seq_len: int, batch: int, micro: int, lr: float, warmup: int) -> TrainConfig:
+        return TrainConfig(steps=steps, seq_len=seq_len, global_batch=batch, micro_batch=micro, lr=lr,
+                           warmup_steps=warmup, save_every=100)
+
+    stages = [Stage("dense", train(1000, 2048, 16, 8, 2e-3, 100)),
+              Stage("warmup", train(200, 2048, 16, 8, 1e-3, 20)),
+              Stage("sparse", train(600, 4096, 8, 4, 1e-3, 50)),
+              Stage("extend", train(100, 65536, 1, 1, 3e-4, 10)),
+              Stage("mtp_warmup", train(200, 2048, 16, 8, 1e-3, 20)),
+              Stage("mtp", train(400, 4096, 8, 4, 1e-3, 40))]
+    return Recipe("tiny", model, stages, data="code", needle_fraction=0.5, chunk_bytes=1 << 30)
+
+
+RECIPES = {"smoke": smoke_recipe, "tiny": tiny_recipe}
