@@ -15,6 +15,7 @@ Methods (every figure says which one produced it):
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import json
@@ -364,3 +365,45 @@ def cubin_resource_usage(compiled) -> dict[str, str]:
         f.flush()
         dump = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
     return dict(part.split(":") for part in dump.split() if part.startswith(("REG:", "STACK:")))
+
+
+def write_suite_reports(suite: str, results: dict[str, Any], out_dir: Path, markdown, plot) -> list[Path]:
+    """Write <suite>-<device>.json (results, targets included), .md (`markdown(results)`) and .png
+    (`plot(results, path)` -> whether it drew; False without matplotlib) into out_dir."""
+    stem = Path(out_dir) / f"{suite}-{device_slug(results['machine'])}"
+    paths = [stem.with_suffix(".json"), stem.with_suffix(".md")]
+    write_json(paths[0], results)
+    paths[1].write_text(markdown(results))
+    if plot(results, stem.with_suffix(".png")):
+        paths.append(stem.with_suffix(".png"))
+    return paths
+
+
+def rerender_from_json(prog: str, path: Path, out: Path | None, write_reports) -> int:
+    """`--from-json FILE`: write a suite's reports again from its saved figures, measuring nothing."""
+    try:
+        results = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        print(f"{prog}: error: cannot read --from-json {path}: {e}", file=sys.stderr)
+        return 2
+    for written in write_reports(results, out or Path(path).parent):
+        print(written)
+    return 0
+
+
+def int_list(text: str) -> list[int]:
+    """argparse type of comma-separated integers, e.g. 1,16,64."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 1,16,64, got {text!r}") from None
+
+
+def save_figure(fig, path: Path) -> None:
+    """Lay out, write (110 dpi) and close a matplotlib figure."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

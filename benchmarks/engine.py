@@ -66,7 +66,17 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import Progress, device_slug, fmt_num, fmt_time, machine_info, md_table, write_json
+from benchmarks.common import (
+    Progress,
+    fmt_num,
+    fmt_time,
+    int_list,
+    machine_info,
+    md_table,
+    rerender_from_json,
+    save_figure,
+    write_suite_reports,
+)
 
 HELP = "engine throughput, TTFT and ITL at batch 1/16/64 against transformers, and online through megactx serve"
 SCHEMA = "megactx-bench-engine/1"
@@ -775,10 +785,7 @@ def plot(results: dict[str, Any], path: Path) -> bool:
     s = results["settings"]
     fig.suptitle(f"megactx bench engine: {device}, {s['prompt_len']} prompt + {s['output_len']} output tokens "
                  "a request")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return True
 
 
@@ -786,24 +793,11 @@ def write_reports(results: dict[str, Any], out_dir: Path) -> list[Path]:
     """Evaluate the targets, then write engine-<device>.json (raw figures + targets), .md and .png
     (when matplotlib is installed) into out_dir. Returns the paths written."""
     targets = evaluate_targets(results)
-    results = results | {"targets": targets}
-    stem = Path(out_dir) / f"engine-{device_slug(results['machine'])}"
-    paths = [stem.with_suffix(".json"), stem.with_suffix(".md")]
-    write_json(paths[0], results)
-    paths[1].write_text(render_markdown(results, targets))
-    if plot(results, stem.with_suffix(".png")):
-        paths.append(stem.with_suffix(".png"))
-    return paths
+    return write_suite_reports("engine", results | {"targets": targets}, out_dir,
+                               lambda r: render_markdown(r, targets), plot)
 
 
 # ------------------------------------------------------------------------------ CLI
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 1,16,64, got {text!r}") from None
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="checkpoint directory (default: a cached random tiny checkpoint; no trained model yet)")
@@ -812,7 +806,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="batches 1 and 16, fewer tokens and requests")
     p.add_argument("--out", type=Path, default=None,
                    help=f"directory for engine-<device>.json, .md and .png (default: {RESULTS_DIR})")
-    p.add_argument("--batches", type=_int_list, default=None, help="offline batch sizes, e.g. 1,16,64")
+    p.add_argument("--batches", type=int_list, default=None, help="offline batch sizes, e.g. 1,16,64")
     p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens a request (P)")
     p.add_argument("--output-len", type=int, default=None, help="generated tokens a request (M)")
     p.add_argument("--concurrency", type=int, default=None,
@@ -852,14 +846,7 @@ def run(args: argparse.Namespace) -> int:
     2 on bad arguments or an unusable checkpoint."""
     prog = "megactx bench engine"
     if args.from_json is not None:
-        try:
-            results = json.loads(args.from_json.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            print(f"{prog}: error: cannot read --from-json {args.from_json}: {e}", file=sys.stderr)
-            return 2
-        for path in write_reports(results, args.out or args.from_json.parent):
-            print(path)
-        return 0
+        return rerender_from_json(prog, args.from_json, args.out, write_reports)
     from megactx.generate import resolve_model
 
     progress = Progress()

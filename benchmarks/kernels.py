@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -37,6 +36,7 @@ from benchmarks.common import (
     fmt_context,
     machine_info,
     measure_ceilings,
+    rerender_from_json,
     time_row_chunks,
 )
 from benchmarks.inputs import NEIGHBOURS, block_table, num_blocks, random_index_cache, random_kv_cache, realistic_topk
@@ -553,14 +553,7 @@ def run(args: argparse.Namespace) -> int:
 
     prog = "megactx bench kernels"
     if args.from_json is not None:
-        try:
-            results = json.loads(args.from_json.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            print(f"{prog}: error: cannot read --from-json {args.from_json}: {e}", file=sys.stderr)
-            return 2
-        for path in write_reports(results, args.out or args.from_json.parent):
-            print(path)
-        return 0
+        return rerender_from_json(prog, args.from_json, args.out, write_reports)
     if args.device == "cuda" and not torch.cuda.is_available():
         print(f"{prog}: error: this benchmark times Triton kernels on a CUDA GPU, and torch sees none "
               f"(torch {torch.__version__}). To check the harness on a CPU, run the same code under the "

@@ -16,13 +16,13 @@ from benchmarks.common import (
     SAMPLED,
     Ceilings,
     Measurement,
-    device_slug,
     fmt_context,
     fmt_num,
     fmt_time,
     md_table,
+    save_figure,
     weakest_method,
-    write_json,
+    write_suite_reports,
 )
 
 # Targets of the issue (benchmark figures, not tests).
@@ -375,10 +375,7 @@ def plot(results: dict[str, Any], groups: list[dict[str, Any]], path: Path) -> b
         ax.legend(fontsize=7)
     device = results["machine"].get("gpu") or results["machine"]["device"]
     fig.suptitle(f"megactx bench kernels: {device}, {results['settings']['model']} geometry")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return True
 
 
@@ -388,11 +385,5 @@ def write_reports(results: dict[str, Any], out_dir: Path) -> list[Path]:
     .png (when matplotlib is installed) into out_dir. Returns the paths written."""
     groups = layer_groups(results)
     targets = evaluate_targets(results, groups)
-    results = results | {"groups": groups, "targets": targets}
-    stem = Path(out_dir) / f"kernels-{device_slug(results['machine'])}"
-    paths = [stem.with_suffix(".json"), stem.with_suffix(".md")]
-    write_json(paths[0], results)
-    paths[1].write_text(render_markdown(results, groups, targets))
-    if plot(results, groups, stem.with_suffix(".png")):
-        paths.append(stem.with_suffix(".png"))
-    return paths
+    return write_suite_reports("kernels", results | {"groups": groups, "targets": targets}, out_dir,
+                               lambda r: render_markdown(r, groups, targets), lambda r, path: plot(r, groups, path))

@@ -16,6 +16,8 @@ def build_parser() -> argparse.ArgumentParser:
     from megactx.generate import add_generate_parser
     from megactx.serve import add_serve_parser
     from megactx.train.cli import add_train_parser
+    from megactx.train.evaluate import add_eval_parser
+    from megactx.train.indexshare_search import add_indexshare_search_parser
 
     parser = argparse.ArgumentParser(
         prog="megactx",
@@ -29,13 +31,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_flops_parser(sub)
     add_bench_parser(sub)
     add_train_parser(sub)
+    add_eval_parser(sub)
+    add_indexshare_search_parser(sub)
     return parser
 
 
 # `megactx bench SUITE`: each suite is the module benchmarks.<SUITE>, which defines HELP, a module
 # docstring (the --help text), add_arguments(parser) and run(args) -> exit code. `engine` and
 # `spec` plug in by adding their names here.
-BENCH_SUITES = ("kernels", "engine")
+BENCH_SUITES = ("kernels", "engine", "spec")
 
 
 def add_bench_parser(subparsers: Any) -> None:

@@ -1,0 +1,609 @@
+"""`megactx bench spec`: MTP speculative decoding against no speculation — mean acceptance length,
+acceptance rate per draft position and output tokens/s for γ = 1 … 7 at batch 1 and 32, for each
+rung of the published GLM ablation ladder:
+
+    rung                  engine settings                                         published (γ = 7)
+    baseline              mtp_mode="baseline", draft_acceptance="target-only"     4.56
+    +IndexShare+KVShare   mtp_mode="kvshare",  draft_acceptance="target-only"     5.10
+    +rejection sampling   mtp_mode="kvshare",  draft_acceptance="rejection"       5.29
+    (+end-to-end TV loss  a training change: the checkpoint's, not a setting      5.47)
+
+target-only: greedy drafts, each accepted with probability p(x) under the target; rejection: drafts
+sampled from the MTP distribution q, accepted with probability min(1, p/q). Both need sampling
+(--temperature > 0): at temperature 0 every rung accepts greedily and the last two coincide.
+
+One model is loaded once; every (rung, γ) gets an engine of its own over it, and so does the
+no-speculation reference (γ = 0). For each batch size B: B prompts of P tokens each generate
+exactly M tokens (ignore_eos) — one untimed warm-up run, then --reps timed runs on prompts of their
+own (the same prompts for every engine). On a GPU the engine without speculation replays CUDA
+graphs for its decode steps, while the speculative engine still runs eagerly. Figures: the
+median run's output tokens/s (B·M / wall), the speed-up over no speculation at the same batch, and
+from the timed runs' drafts: mean acceptance length (tokens a verify emits: accepted drafts + 1)
+and, per draft position j, the fraction of drafts with a token j whose token j was accepted.
+
+Prompts: with --data-dir (a directory prepared by megactx.train.data, with the tokenizer the
+checkpoint was trained with), windows of held-out code starting at line starts; else random token
+ids. Without --model a random tiny checkpoint is used: its acceptance lengths are meaningless (its
+MTP layer drafts noise), and only the engine's mechanics are measured.
+
+Targets (the issue's, on the shipped trained model on a GPU): >= 2x output tokens/s at batch 1 over
+no speculation (the best γ of the last rung); each rung's acceptance length at the largest γ at
+least the one below it.
+
+Default sizes:
+
+    device      γ           batches  P    M
+    GPU         1 … 7       1, 32    256  256
+    GPU --quick 1, 7        1        128  64
+    CPU         1 … 7       1, 32    16   16
+    CPU --quick 1, 7        1        8    8
+
+Results: benchmarks/results/spec-<device>.json, .md, .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import (
+    Progress,
+    fmt_num,
+    fmt_time,
+    int_list,
+    machine_info,
+    md_table,
+    rerender_from_json,
+    save_figure,
+    write_suite_reports,
+)
+from benchmarks.engine import random_prompts
+
+HELP = "MTP speculative decoding: acceptance length and tokens/s for γ = 1..7 per rung of the GLM ablation"
+SCHEMA = "megactx-bench-spec/1"
+RESULTS_DIR = Path(__file__).parent / "results"
+# Targets of the issue (benchmark figures, not tests).
+TARGET_SPEEDUP = 2.0  # output tokens/s with speculation >= 2x without ...
+TARGET_SPEEDUP_BATCH = 1  # ... at this batch
+NO_SPEC = "no speculation"
+# The published ablation's γ (7 MTP steps in training and inference) and its last rung, a training
+# change this benchmark cannot switch on or off.
+PUBLISHED_GAMMA = 7
+TV_LOSS_RUNG, TV_LOSS_PUBLISHED = "+end-to-end TV loss", 5.47
+RANDOM_WEIGHTS_NOTE = "random weights: acceptance lengths are meaningless"
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One rung of the ladder: the engine settings that switch it on, and the published acceptance
+    length at γ = 7 (GLM-5.1 backbone, coding data)."""
+
+    name: str
+    mtp_mode: str  # LLM(mtp_mode=...)
+    draft_acceptance: str  # LLM(draft_acceptance=...)
+    published: float
+
+
+RUNGS = (Rung("baseline", "baseline", "target-only", 4.56),
+         Rung("+IndexShare+KVShare", "kvshare", "target-only", 5.10),
+         Rung("+rejection sampling", "kvshare", "rejection", 5.29))
+
+
+# ------------------------------------------------------------------------------ settings
+@dataclass
+class Settings:
+    """Sizes of a run (see the module docstring for the defaults by device)."""
+
+    device: str = "cuda"
+    gammas: list[int] = field(default_factory=lambda: list(range(1, PUBLISHED_GAMMA + 1)))
+    batches: list[int] = field(default_factory=lambda: [1, 32])
+    prompt_len: int = 256  # P
+    output_len: int = 256  # M
+    warmup_len: int = 256  # tokens of the untimed warm-up run (a GPU compiles every kernel size there)
+    reps: int = 1  # timed runs of every (engine, batch); the figure is the median run's
+    temperature: float = 1.0
+    seed: int = 0
+    threads: int | None = None  # torch intra-op threads (None: torch's default; a CPU run uses 1)
+    data_dir: str | None = None
+
+    @classmethod
+    def defaults(cls, device: str, quick: bool) -> Settings:
+        few = [1, PUBLISHED_GAMMA]
+        if device == "cuda":
+            return cls(device, few, [1], 128, 64, 64) if quick else cls(device)
+        if quick:
+            return cls(device, few, [1], 8, 8, warmup_len=2, threads=1)
+        return cls(device, prompt_len=16, output_len=16, warmup_len=2, threads=1)
+
+    def check(self) -> None:
+        """ValueError naming the flag of a bad setting."""
+        if not self.gammas or any(g < 1 for g in self.gammas):
+            raise ValueError(f"--gammas must be draft lengths >= 1, e.g. 1,2,3,4,5,6,7; got {self.gammas}")
+        if not self.batches or any(b < 1 for b in self.batches):
+            raise ValueError(f"--batches must be positive batch sizes, e.g. 1,32; got {self.batches}")
+        for flag, value in (("--prompt-len", self.prompt_len), ("--output-len", self.output_len),
+                            ("--reps", self.reps), ("--threads", 1 if self.threads is None else self.threads)):
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        if not self.temperature > 0:
+            raise ValueError(f"--temperature must be > 0 (at 0 every rung accepts greedily), got {self.temperature}")
+        self.gammas, self.batches = sorted(set(self.gammas)), sorted(set(self.batches))
+        self.warmup_len = min(self.warmup_len, self.output_len)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.device == "cuda" else torch.float32
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"dtype": str(self.dtype).removeprefix("torch.")}
+
+
+# ------------------------------------------------------------------------------ figures
+@dataclass
+class SpecFigures:
+    """One engine at one batch size. rung: a RUNGS name, or NO_SPEC (gamma 0). Draft counts are
+    summed over the timed runs (SpecDecodeStats' meaning: a draft is one verify of one sequence)."""
+
+    rung: str
+    gamma: int
+    batch: int
+    output_tokens: int  # a run's, B·M
+    wall_s: float  # the median timed run's
+    num_drafts: int = 0
+    num_accepted_tokens: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)  # [γ]
+    accepted_per_position: list[int] = field(default_factory=list)  # [γ]
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Accepted drafts + 1 a verify; None without drafts."""
+        return (self.num_accepted_tokens + self.num_drafts) / self.num_drafts if self.num_drafts else None
+
+    @property
+    def acceptance_rate_per_position(self) -> list[float | None]:
+        return [a / d if d else None for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"tokens_per_s": self.tokens_per_s,
+                                           "mean_acceptance_length": self.mean_acceptance_length,
+                                           "acceptance_rate_per_position": self.acceptance_rate_per_position}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SpecFigures:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def sum_draft_stats(stats: Sequence[Any], gamma: int) -> dict[str, Any]:
+    """The draft counts of many requests' `SpecDecodeStats` added up (SpecFigures' fields)."""
+    drafted, accepted = [0] * gamma, [0] * gamma
+    for s in stats:
+        drafted = [a + b for a, b in zip(drafted, s.drafted_per_position)]
+        accepted = [a + b for a, b in zip(accepted, s.accepted_per_position)]
+    return {"num_drafts": sum(s.num_drafts for s in stats), "num_accepted_tokens": sum(s.num_accepted_tokens
+                                                                                         for s in stats),
+            "drafted_per_position": drafted, "accepted_per_position": accepted}
+
+
+# ------------------------------------------------------------------------------ prompts
+def load_held_out(data_dir: str | Path, model_dir: Path, vocab_size: int):
+    """The held-out split (megactx.train.data.SplitTokens) of a prepared megactx.train.data
+    directory. ValueError when its tokenizer is not the checkpoint's (the ids would mean other text)
+    or does not fit the model's vocabulary of `vocab_size`."""
+    from megactx.train.data import TOKENIZER_DIR, prepare_data
+    from megactx.train.tokenizer import fingerprint, load_tokenizer
+
+    tok_dir = Path(data_dir) / TOKENIZER_DIR
+    if not (tok_dir / "tokenizer.json").is_file():
+        raise ValueError(f"--data-dir {data_dir} has no {TOKENIZER_DIR}/tokenizer.json; prepare it with "
+                         "python -m megactx.train.data")
+    data = prepare_data(data_dir, vocab_size=load_tokenizer(tok_dir).get_vocab_size())
+    if not (model_dir / "tokenizer.json").is_file() or fingerprint(load_tokenizer(model_dir)) != fingerprint(
+            data.tokenizer):
+        raise ValueError(f"--data-dir {data_dir} has another tokenizer than --model {model_dir}; pass the data "
+                         "directory the checkpoint was trained from")
+    if data.tokenizer.get_vocab_size() > vocab_size:
+        raise ValueError(f"--data-dir {data_dir}'s tokenizer has {data.tokenizer.get_vocab_size()} tokens, more than "
+                         f"the model's vocabulary of {vocab_size}")
+    return data.split("held_out")
+
+
+def held_out_prompts(split, n: int, length: int, seed: int) -> list[list[int]]:
+    """n windows of `length` token ids of a SplitTokens, each starting at a line start, spread
+    evenly over the split and shifted by `seed` line starts. ValueError when the split is short."""
+    starts = split.line_starts[split.line_starts + length <= split.num_tokens]
+    if len(starts) < n:
+        raise ValueError(f"the held-out code has {len(starts)} windows of {length} tokens at line starts; {n} are "
+                         "needed: lower --prompt-len or the batch")
+    step = len(starts) / n
+    picks = [int(starts[(int((i + 0.5) * step) + seed) % len(starts)]) for i in range(n)]
+    return [split.tokens[p:p + length].astype("int64").tolist() for p in picks]
+
+
+# ------------------------------------------------------------------------------ the run
+def _free(device: str) -> None:
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _sync(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+class SpecBench:
+    """Every engine in turn (no speculation first, then each rung and γ), each over every batch;
+    `after_part` gets the results after each engine (to write them as they come)."""
+
+    def __init__(self, path: Path, random_weights: bool, s: Settings, progress: Progress | None = None):
+        from megactx.model.weights import load_model
+
+        self.path, self.s = path, s
+        self.progress = progress or Progress()
+        self.progress.log(f"loading {path} on {s.device}")
+        self.model = load_model(path, device=s.device, dtype=s.dtype)
+        cfg = self.cfg = self.model.cfg
+        if cfg.num_nextn_predict_layers < 1:
+            raise ValueError(f"--model {path} has no MTP layer (num_nextn_predict_layers = 0): nothing drafts")
+        # room for P + M tokens and the drafts verified past them
+        self.max_model_len = s.prompt_len + s.output_len + max(s.gammas) + 1
+        if self.max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"--prompt-len + --output-len + γ = {self.max_model_len} exceeds the model's context "
+                             f"{cfg.max_position_embeddings}")
+        self.results: dict[str, Any] = {
+            "schema": SCHEMA, "machine": machine_info(s.device), "settings": s.to_dict(),
+            "model": {"path": str(path), "random_weights": random_weights, "model_type": cfg.model_type,
+                      "layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
+                      "params": sum(p.numel() for p in self.model.parameters())},
+            "prompts": "held-out code" if s.data_dir else "random token ids",
+            "runs": [], "skipped": []}
+        self._prompts: dict[tuple[int, int], list[list[int]]] = {}
+        self.held_out = load_held_out(s.data_dir, path, cfg.vocab_size) if s.data_dir else None
+
+    def prompts(self, batch: int, run: int) -> list[list[int]]:
+        """The prompts of run `run` (0 = the warm-up) at `batch`: the same for every engine."""
+        key = (batch, run)
+        if key not in self._prompts:
+            seed = hash((self.s.seed, batch, run)) & (2**31 - 1)
+            if self.held_out is not None:
+                self._prompts[key] = held_out_prompts(self.held_out, batch, self.s.prompt_len, seed)
+            else:
+                self._prompts[key] = random_prompts(batch, self.s.prompt_len, self.cfg.vocab_size, seed)
+        return self._prompts[key]
+
+    def engine(self, gamma: int, rung: Rung | None):
+        from megactx import LLM
+        from megactx.kernels.reference import BLOCK_SIZE
+
+        # KV for the largest batch at full length, plus a block a sequence for the drafts' lookahead
+        num_blocks = max(self.s.batches) * (-(-self.max_model_len // BLOCK_SIZE) + 1)
+        spec = dict(num_speculative_tokens=gamma, mtp_mode=rung.mtp_mode,
+                    draft_acceptance=rung.draft_acceptance) if rung else {}
+        return LLM(self.model, device=self.s.device, dtype=self.s.dtype, max_model_len=self.max_model_len,
+                   max_num_seqs=max(self.s.batches), num_blocks=num_blocks, seed=self.s.seed, **spec)
+
+    def measure(self, llm, gamma: int, rung: Rung | None, batch: int) -> SpecFigures:
+        """One warm-up and `reps` timed runs of `batch` prompts on one engine."""
+        from megactx import SamplingParams
+
+        s = self.s
+        params = [SamplingParams(temperature=s.temperature, max_tokens=n, ignore_eos=True, seed=s.seed + i)
+                  for n in (s.warmup_len, s.output_len) for i in range(batch)]
+        llm.generate(self.prompts(batch, 0), params[:batch], use_tqdm=False)
+        walls, stats, tokens = [], [], 0
+        for run in range(1, s.reps + 1):
+            prompts = self.prompts(batch, run)
+            _sync(s.device)
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params[batch:], use_tqdm=False)
+            _sync(s.device)
+            walls.append(time.perf_counter() - start)
+            tokens += sum(len(o.token_ids) for o in outs)
+            stats += [o.spec_decode for o in outs if o.spec_decode is not None]
+        if tokens != batch * s.output_len * s.reps:  # ignore_eos: only the length ends a request
+            raise RuntimeError(f"{tokens} tokens generated in {s.reps} runs of {batch} requests, asked for "
+                               f"{s.output_len} a request")
+        counts = sum_draft_stats(stats, gamma) if rung else {}
+        return SpecFigures(rung.name if rung else NO_SPEC, gamma, batch, batch * s.output_len,
+                           statistics.median(walls), **counts, detail={"walls_s": walls})
+
+    def run(self, after_part: Callable[[dict[str, Any]], object] | None = None) -> dict[str, Any]:
+        start, threads = time.perf_counter(), torch.get_num_threads()
+        if self.s.threads:
+            torch.set_num_threads(self.s.threads)
+        try:
+            engines = [(0, None)] + [(g, r) for r in RUNGS for g in self.s.gammas]
+            for gamma, rung in engines:
+                name = f"{rung.name} γ={gamma}" if rung else NO_SPEC
+                try:
+                    llm = self.engine(gamma, rung)
+                    for batch in self.s.batches:
+                        f = self.measure(llm, gamma, rung, batch)
+                        self.results["runs"].append(f.to_dict())
+                        self.progress.log(f"{name:<28} batch {batch:3d}: {fmt_num(f.tokens_per_s):>8} tokens/s, "
+                                          f"acceptance length {fmt_num(f.mean_acceptance_length)}")
+                except Exception as e:  # an engine that fails is reported, and the others still run
+                    reason = f"{type(e).__name__}: {e}"
+                    self.progress.log(f"{name}: not run: {reason}")
+                    self.results["skipped"].append({"step": name, "reason": reason})
+                llm = None
+                _free(self.s.device)
+                self.results["wall_s"] = time.perf_counter() - start
+                if after_part:
+                    after_part(self.results)
+        finally:
+            torch.set_num_threads(threads)
+        return self.results
+
+
+# ------------------------------------------------------------------------------ lookups
+def _runs(results: dict[str, Any]) -> list[SpecFigures]:
+    return [SpecFigures.from_dict(d) for d in results["runs"]]
+
+
+def _find(results: dict[str, Any], rung: str, gamma: int, batch: int) -> SpecFigures | None:
+    return next((f for f in _runs(results) if f.rung == rung and f.gamma == gamma and f.batch == batch), None)
+
+
+def speedup(results: dict[str, Any], f: SpecFigures) -> float | None:
+    """f's output tokens/s over no speculation's at the same batch (None without that run)."""
+    base = _find(results, NO_SPEC, 0, f.batch)
+    return f.tokens_per_s / base.tokens_per_s if base else None
+
+
+# ------------------------------------------------------------------------------ targets
+def _target(target: str, figure: str, needs: str, passed: bool | None, note: str = "") -> dict[str, Any]:
+    return {"target": target, "figure": figure, "needs": needs, "passed": passed, "note": note}
+
+
+def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets. passed is None where the run cannot decide: not run, a CPU run, or
+    random weights (the figures are still shown)."""
+    on_gpu = results["machine"]["device"] == "cuda"
+    random_weights = results["model"].get("random_weights", False)
+    undecided = "random weights" if random_weights else ("a GPU target; CPU run" if not on_gpu else "")
+    s = results["settings"]
+    rows = []
+
+    b, top = TARGET_SPEEDUP_BATCH, RUNGS[-1].name
+    t = f"{top} >= {TARGET_SPEEDUP:.0f}x output tokens/s over no speculation at batch {b} (best γ)"
+    ratios = [(speedup(results, f), f) for f in _runs(results) if f.rung == top and f.batch == b]
+    ratios = [(r, f) for r, f in ratios if r is not None]
+    if ratios:
+        r, f = max(ratios, key=lambda x: x[0])
+        rows.append(_target(t, f"{r:.2f}x at γ = {f.gamma} ({fmt_num(f.tokens_per_s)} tokens/s)",
+                            f">= {TARGET_SPEEDUP:.0f}x", None if undecided else r >= TARGET_SPEEDUP, undecided))
+    else:
+        rows.append(_target(t, "–", f">= {TARGET_SPEEDUP:.0f}x", None,
+                            f"batch {b} not in this run" if b not in s["batches"] else "not run"))
+
+    gamma, batch = max(s["gammas"]), min(s["batches"])
+    for lower, upper in zip(RUNGS, RUNGS[1:]):
+        t = f"acceptance length {upper.name} >= {lower.name} (γ = {gamma}, batch {batch})"
+        lo, hi = _find(results, lower.name, gamma, batch), _find(results, upper.name, gamma, batch)
+        if lo and hi and lo.mean_acceptance_length and hi.mean_acceptance_length:
+            a, c = lo.mean_acceptance_length, hi.mean_acceptance_length
+            rows.append(_target(t, f"{c:.2f} vs {a:.2f}", ">=", None if random_weights else c >= a,
+                                "random weights" if random_weights else ""))
+        else:
+            rows.append(_target(t, "–", ">=", None, "not run"))
+    return rows
+
+
+# ------------------------------------------------------------------------------ Markdown
+def _rates(f: SpecFigures) -> str:
+    return " ".join("–" if r is None else f"{r:.2f}" for r in f.acceptance_rate_per_position)
+
+
+def render_markdown(results: dict[str, Any], targets: list[dict[str, Any]]) -> str:
+    m, s, model = results["machine"], results["settings"], results["model"]
+    device = m.get("gpu") or m["device"]
+    out = [f"# megactx speculative decoding benchmark: {device}\n"]
+    versions = f"torch {m['torch']}, triton {m['triton']}" + (f", CUDA {m['cuda']}" if m.get("cuda") else "")
+    params = f", {model['params'] / 1e6:.1f}M parameters" if model.get("params") else ""
+    out.append(f"{m['date']}; {versions}. Model `{model['path']}` ({model['model_type']}, {model['layers']} layers, "
+               f"hidden {model['hidden_size']}, vocabulary {model['vocab_size']}{params}), {s['dtype']}. "
+               f"Every request: {s['prompt_len']} prompt tokens ({results.get('prompts', 'random token ids')}), "
+               f"exactly {s['output_len']} generated at temperature {s['temperature']} (EOS ignored); "
+               f"{s['reps']} timed run(s) after a warm-up"
+               + (f"; whole run {results['wall_s']:.0f} s" if "wall_s" in results else "") + ".\n")
+    if model.get("random_weights"):
+        out.append(f"**{RANDOM_WEIGHTS_NOTE.capitalize()}** (no trained model yet): the MTP layer drafts noise; "
+                   "the figures measure the engine's mechanics only.\n")
+    if m["device"] != "cuda":
+        out.append("**CPU run**: megactx runs its pure-torch kernel twins here; the targets are GPU targets.\n")
+    out.append("Acceptance length: tokens a verify emits (accepted drafts + 1). Speed-up: output tokens/s over "
+               "no speculation at the same batch, on the same prompts"
+               + (" (no speculation replays CUDA graphs; the speculative engine runs its steps eagerly for now)"
+                  if m["device"] == "cuda" else "") + ".\n")
+
+    out.append("## Ladder against the published GLM ablation\n")
+    gamma = max(s["gammas"])
+    rows = []
+    for rung in RUNGS:
+        cells = [rung.name, f"{rung.published:.2f}" if gamma == PUBLISHED_GAMMA else f"{rung.published:.2f} (γ = 7)"]
+        for b in s["batches"]:
+            f = _find(results, rung.name, gamma, b)
+            cells.append(fmt_num(f.mean_acceptance_length) if f else "–")
+        rows.append(cells)
+    rows.append([TV_LOSS_RUNG, f"{TV_LOSS_PUBLISHED:.2f}"] + ["(training: the checkpoint's)"] * len(s["batches"]))
+    out.append(md_table(["rung", "published", *[f"ours, γ = {gamma}, batch {b}" for b in s["batches"]]], rows))
+
+    for b in s["batches"]:
+        base = _find(results, NO_SPEC, 0, b)
+        out.append(f"\n## Batch {b}\n")
+        out.append(f"No speculation: {fmt_num(base.tokens_per_s) if base else '–'} output tokens/s"
+                   + (f" (wall {fmt_time(base.wall_s)})" if base else "") + ".\n")
+        rows = []
+        for g in s["gammas"]:
+            cells: list[Any] = [g]
+            for rung in RUNGS:
+                f = _find(results, rung.name, g, b)
+                r = f and speedup(results, f)
+                cells += [fmt_num(f.mean_acceptance_length), fmt_num(f.tokens_per_s),
+                          f"{r:.2f}x" if r else "–"] if f else ["–"] * 3
+            rows.append(cells)
+        heads = [f"{rung.name} {what}" for rung in RUNGS for what in ("acc. len", "tokens/s", "speed-up")]
+        out.append(md_table(["γ", *heads], rows))
+
+    out.append(f"\n## Acceptance rate per draft position (γ = {gamma})\n")
+    rows = [[rung.name, b, _rates(f)] for rung in RUNGS for b in s["batches"]
+            if (f := _find(results, rung.name, gamma, b))]
+    out.append(md_table(["rung", "batch", "positions 1 … γ"], rows))
+
+    out.append("\n## Targets\n")
+    mark = {True: "pass", False: "**FAIL**", None: "n/a"}
+    out.append(md_table(["target", "figure", "needs", "result"],
+                        [[t["target"], t["figure"], t["needs"],
+                          mark[t["passed"]] + (f" ({t['note']})" if t["note"] else "")] for t in targets]))
+    if results.get("skipped"):
+        out.append("\n## Not run\n")
+        out.append(md_table(["part", "why"], [[x["step"], x["reason"].replace("\n", " ")]
+                                              for x in results["skipped"]]))
+    return "\n".join(out)
+
+
+# ------------------------------------------------------------------------------ PNG
+def plot(results: dict[str, Any], path: Path) -> bool:
+    """Two panels: acceptance length by γ for each rung (one line style per batch, the published
+    ladder at γ = 7 as stars); speed-up over no speculation by γ. False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display: render to a file
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    s = results["settings"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.5))
+    styles = ["-", "--", ":", "-."]
+    for k, rung in enumerate(RUNGS):
+        color = f"C{k}"
+        for j, b in enumerate(s["batches"]):
+            found = [f for g in s["gammas"] if (f := _find(results, rung.name, g, b))]
+            acc = [(f.gamma, f.mean_acceptance_length) for f in found if f.mean_acceptance_length]
+            spd = [(f.gamma, r) for f in found if (r := speedup(results, f))]
+            label = f"{rung.name}, batch {b}"
+            if acc:
+                ax1.plot(*zip(*acc), "o" + styles[j % len(styles)], color=color, label=label)
+            if spd:
+                ax2.plot(*zip(*spd), "o" + styles[j % len(styles)], color=color, label=label)
+        ax1.plot([PUBLISHED_GAMMA], [rung.published], "*", color=color, markersize=13,
+                 label=f"{rung.name}, published")
+    ax1.plot([PUBLISHED_GAMMA], [TV_LOSS_PUBLISHED], "*", color="C3", markersize=13,
+             label=f"{TV_LOSS_RUNG}, published")
+    gammas = s["gammas"]
+    ax1.plot(gammas, [g + 1 for g in gammas], color="grey", lw=0.8, alpha=0.6, label="γ + 1 (every draft accepted)")
+    ax1.set(xlabel="γ (draft tokens a step)", ylabel="mean acceptance length (tokens a verify)",
+            title="Acceptance length (higher is better)")
+    ax2.axhline(1.0, color="grey", lw=0.8, label="no speculation")
+    ax2.axhline(TARGET_SPEEDUP, color="red", lw=0.8, ls="--", label=f"target {TARGET_SPEEDUP:.0f}x at batch "
+                                                                      f"{TARGET_SPEEDUP_BATCH}")
+    ax2.set(xlabel="γ (draft tokens a step)", ylabel="output tokens/s ÷ no speculation's",
+            title="Speed-up over no speculation (same batch)")
+    for ax in (ax1, ax2):
+        ax.set_xticks(s["gammas"])
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    device = results["machine"].get("gpu") or results["machine"]["device"]
+    title = f"megactx bench spec: {device}, {s['prompt_len']} prompt + {s['output_len']} output tokens"
+    if results["model"].get("random_weights"):
+        title += f" ({RANDOM_WEIGHTS_NOTE})"
+    fig.suptitle(title)
+    save_figure(fig, path)
+    return True
+
+
+def write_reports(results: dict[str, Any], out_dir: Path) -> list[Path]:
+    """Evaluate the targets, then write spec-<device>.json (raw figures + targets), .md and .png
+    (when matplotlib is installed) into out_dir. Returns the paths written."""
+    targets = evaluate_targets(results)
+    return write_suite_reports("spec", results | {"targets": targets}, out_dir,
+                               lambda r: render_markdown(r, targets), plot)
+
+
+# ------------------------------------------------------------------------------ CLI
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help=f"checkpoint directory with an MTP layer (default: a cached random tiny checkpoint; "
+                        f"{RANDOM_WEIGHTS_NOTE})")
+    p.add_argument("--data-dir", default=None,
+                   help="a megactx.train.data directory: prompts are held-out code (default: random token ids)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                   help="cuda or cpu (default: cuda when torch sees a GPU); sizes default by device, see above")
+    p.add_argument("--quick", action="store_true", help="γ in {1, 7}, batch 1, fewer tokens")
+    p.add_argument("--out", type=Path, default=None,
+                   help=f"directory for spec-<device>.json, .md and .png (default: {RESULTS_DIR})")
+    p.add_argument("--gammas", type=int_list, default=None, help="draft lengths γ, e.g. 1,2,3,4,5,6,7")
+    p.add_argument("--batches", type=int_list, default=None, help="batch sizes, e.g. 1,32")
+    p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens a request (P)")
+    p.add_argument("--output-len", type=int, default=None, help="generated tokens a request (M)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature, > 0 (default 1.0)")
+    p.add_argument("--reps", type=int, default=None, help="timed runs of every engine and batch (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and of the sampling (default 0)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: 1 on a CPU, torch's own on a GPU)")
+    p.add_argument("--from-json", type=Path, default=None, metavar="FILE",
+                   help="do not measure: write the .md and .png again from a results JSON")
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Settings from parsed arguments; ValueError names the bad argument."""
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device cuda, but torch {torch.__version__} sees no CUDA GPU; use --device cpu")
+    s = Settings.defaults(device, args.quick)
+    for name in ("gammas", "batches", "prompt_len", "output_len", "reps", "threads", "data_dir"):
+        if getattr(args, name) is not None:
+            setattr(s, name, getattr(args, name))
+    s.temperature, s.seed = args.temperature, args.seed
+    if s.data_dir is not None and not Path(s.data_dir).is_dir():
+        raise ValueError(f"--data-dir {s.data_dir} is not a directory; prepare one with python -m megactx.train.data")
+    s.check()
+    return s
+
+
+def run(args: argparse.Namespace) -> int:
+    """`megactx bench spec`: 0 on success (engines that could not run are reported in the
+    results), 2 on bad arguments or an unusable checkpoint."""
+    prog = "megactx bench spec"
+    if args.from_json is not None:
+        return rerender_from_json(prog, args.from_json, args.out, write_reports)
+    from megactx.generate import resolve_model
+
+    progress = Progress()
+    try:
+        settings = settings_from_args(args)
+        path, random_weights = resolve_model(args.model, progress.log)
+        if random_weights:
+            progress.log(RANDOM_WEIGHTS_NOTE)
+        bench = SpecBench(path, random_weights, settings, progress)
+    except (ValueError, OSError) as e:  # ConfigError is a ValueError
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    out = args.out or RESULTS_DIR
+    written: list[Path] = []
+
+    def write(results: dict[str, Any]) -> None:  # after every engine, so a later crash keeps the figures
+        written[:] = write_reports(results, out)
+
+    bench.run(after_part=write)
+    for path in written:
+        print(path)
+    return 0

@@ -1,0 +1,539 @@
+"""`megactx eval`: held-out bits per byte and needle-retrieval accuracy of any checkpoint.
+
+    megactx eval bpb --model runs/dense --model runs/dsa --model runs/indexshare --contexts 4k --out runs/eval
+    megactx eval needles --model runs/tiny/export --contexts 4k,16k,64k --cases 200 --seed 1 --out runs/eval
+
+Every evaluation takes --model, --contexts and --seed, so anyone can run it on fresh cases and on
+other checkpoints.
+
+bpb: the held-out split of the code corpus, tokenized with the model's own tokenizer, documents in
+the order hashed from --seed, packed into rows of --contexts tokens (+1), scored by the reference
+forward (batched, no grad). Bits per byte do not depend on the tokenizer, so models with different
+vocabularies compare. With the tokenizer of a prepared data directory the rows are exactly
+`prepare_data(dir).pretraining_sequences(seq_len, "held_out", seed)`.
+
+needles: `NeedleGenerator.cases(task, length, cases, seed)` per task and context, greedy decoding
+with the engine (token-id prompts, temperature 0), exact match (`NeedleCase.is_correct`). A case at
+context L has a prompt of L minus the task's answer budget, so prompt and answer fit in L tokens.
+Writes needles.json, needles.md and needles.png (accuracy vs context; depth x context heatmaps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from megactx.train.needles import STANDARD_TASKS, NeedleCase, NeedleGenerator, NeedleTask
+
+PROG = "megactx eval"
+CONTEXT_SUFFIXES = {"k": 1 << 10, "m": 1 << 20}  # binary: 4k = 4096, 1m = 1048576 tokens
+CONTEXT_LADDER = (1 << 12, 1 << 14, 1 << 16, 1 << 17, 1 << 18, 1 << 19, 1 << 20)  # 4K, 16K, 64K, 128K ... 1M
+DEFAULT_BPB_CONTEXT = "1k"
+DEFAULT_CASES = 200  # the issue asks for at least 200 cases a context
+DEFAULT_DEPTH_BUCKETS = 10
+DEFAULT_THRESHOLD = 0.95  # accuracy a context must reach to count as "holds"
+ANSWER_SLACK = 4  # tokens decoded beyond the expected answer, so a longer wrong answer is seen as wrong
+Z_95 = 1.959963984540054  # two-sided 95% normal quantile, for Wilson intervals
+
+
+# ------------------------------------------------------------------------------ shared helpers
+def parse_contexts(text: str) -> list[int]:
+    """"4k,16k,1m" -> [4096, 16384, 1048576] (k = 1024, m = 1024**2; plain numbers are tokens),
+    sorted and without repeats."""
+    out = set()
+    for part in (p.strip().lower() for p in text.split(",") if p.strip()):
+        scale = CONTEXT_SUFFIXES.get(part[-1], 1)
+        number = part[:-1] if part[-1] in CONTEXT_SUFFIXES else part
+        try:
+            value = float(number) * scale
+        except ValueError:
+            raise ValueError(f"--contexts takes lengths like 4k,16k,1m or 4096, got {part!r}") from None
+        if value < 1 or value != int(value):
+            raise ValueError(f"--contexts: {part!r} is not a whole positive number of tokens")
+        out.add(int(value))
+    if not out:
+        raise ValueError(f"--contexts is empty: give lengths like 4k,16k,1m, got {text!r}")
+    return sorted(out)
+
+
+def context_label(length: int) -> str:
+    """4096 -> "4K", 1048576 -> "1M", 1000 -> "1000"."""
+    for suffix, scale in (("M", 1 << 20), ("K", 1 << 10)):
+        if length % scale == 0:
+            return f"{length // scale}{suffix}"
+    return str(length)
+
+
+def wilson_interval(correct: int, total: int, z: float = Z_95) -> tuple[float, float]:
+    """The Wilson score interval of a binomial proportion: (low, high); (0, 1) for total = 0."""
+    if total == 0:
+        return 0.0, 1.0
+    p = correct / total
+    denom = 1 + z * z / total
+    center = (p + z * z / (2 * total)) / denom
+    half = z * math.sqrt(p * (1 - p) / total + z * z / (4 * total * total)) / denom
+    return max(0.0, center - half), min(1.0, center + half)
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# ------------------------------------------------------------------------------ bits per byte
+def held_out_corpus(corpus=None):
+    """The held-out files of `corpus` (default: this interpreter's stdlib) as a Corpus of their own:
+    files are tokenized one by one, so their ids are the same as in the whole corpus, in a
+    twentieth of the time."""
+    from megactx.train.corpus import Corpus
+
+    corpus = corpus or Corpus.from_stdlib()
+    return corpus.subset([f.path for f in corpus.split("held_out")])
+
+
+def held_out_rows(tokenizer, seq_len: int, seed: int = 0, data_dir: str | Path | None = None) -> torch.Tensor:
+    """[N, seq_len + 1] int64: the held-out split tokenized with `tokenizer` (a tokenizers.Tokenizer),
+    documents ordered by `seed`, packed as training packs them. data_dir: a prepared data directory,
+    whose corpus snapshot (else the stdlib, checked against its manifest) and token cache are used;
+    None: the held-out files of this interpreter's stdlib, tokenized without a cache."""
+    from megactx.train.corpus import MANIFEST, Corpus
+    from megactx.train.data import CORPUS_SNAPSHOT, TokenizedCorpus, document_stream, pack_sequences
+    from megactx.train.tokenizer import END
+
+    if data_dir is not None:
+        data_dir = Path(data_dir)
+        snapshot = data_dir / CORPUS_SNAPSHOT
+        corpus = Corpus.from_directory(snapshot) if (snapshot / MANIFEST).is_file() else Corpus.from_stdlib()
+        if (data_dir / MANIFEST).is_file():
+            try:
+                corpus.verify(data_dir / MANIFEST)
+            except ValueError as e:
+                raise ValueError(f"--data-dir {data_dir} was prepared from another corpus than this machine "
+                                 f"reads: {e}; copy its corpus/ snapshot along") from None
+        tokens = TokenizedCorpus.load_or_build(corpus, tokenizer, data_dir)
+    else:
+        tokens = TokenizedCorpus.build(held_out_corpus(), tokenizer)
+    end_id = tokenizer.token_to_id(END)
+    if end_id is None:
+        raise ValueError(f"the model's tokenizer has no {END} token; bpb needs megactx's document separator")
+    return pack_sequences(document_stream(tokens.split("held_out"), end_id, seed), seq_len)
+
+
+@torch.inference_mode()
+def bits_per_byte_of(model: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor, byte_lengths: torch.Tensor,
+                     batch_size: int = 8, max_tokens: int | None = None,
+                     device: str | torch.device = "cpu") -> dict[str, float]:
+    """Held-out bits per byte of `model` on `rows`.
+
+    model: input_ids [B, L] int64 -> logits [B, L, vocab]. rows: [N, L + 1] int64 (row[:-1] is read,
+    row[1:] predicted). byte_lengths: [vocab] int64 bytes of text per token (0 for special tokens,
+    which count neither loss nor bytes). max_tokens: score only the first ceil(max_tokens / L) rows.
+    Returns {"bits_per_byte", "nats_per_token", "tokens", "bytes", "rows"}."""
+    from megactx.train.data import BitsPerByte
+
+    if batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1, got {batch_size}")
+    seq_len = rows.shape[1] - 1
+    if max_tokens is not None:
+        if max_tokens < 1:
+            raise ValueError(f"--max-tokens must be at least 1, got {max_tokens}")
+        rows = rows[: -(-max_tokens // seq_len)]
+    meter = BitsPerByte(byte_lengths)
+    for start in range(0, len(rows), batch_size):
+        batch = rows[start : start + batch_size].to(device)  # [B, L + 1]
+        logits = model(batch[:, :-1]).float()  # [B, L, vocab]
+        targets = batch[:, 1:]  # [B, L]
+        nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+        meter.update(nll, targets.flatten())
+    nats, num_bytes, num_tokens = (float(v) for v in meter.totals)
+    return {"bits_per_byte": meter.value, "nats_per_token": nats / max(num_tokens, 1.0), "tokens": int(num_tokens),
+            "bytes": int(num_bytes), "rows": len(rows)}
+
+
+def evaluate_bpb(model_dir: str | Path, contexts: Sequence[int], seed: int = 0, data_dir: str | Path | None = None,
+                 batch_size: int = 8, max_tokens: int | None = None, device: str | None = None,
+                 dtype: torch.dtype | None = None, backend: str = "torch",
+                 log: Callable[[str], object] = print) -> list[dict[str, Any]]:
+    """One result dict (see `bits_per_byte_of`, plus "model", "context", "seed") per context for
+    the checkpoint `model_dir` (which must hold its tokenizer.json)."""
+    from megactx.model.weights import load_model
+    from megactx.train.tokenizer import load_tokenizer, token_byte_lengths
+
+    device = device or _default_device()
+    dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
+    tokenizer = load_tokenizer(model_dir)
+    model = load_model(model_dir, device=device, dtype=dtype, backend=backend)
+    if tokenizer.get_vocab_size() > model.cfg.vocab_size:
+        raise ValueError(f"{model_dir}: tokenizer.json has {tokenizer.get_vocab_size()} tokens but the model only "
+                         f"{model.cfg.vocab_size}; the checkpoint's tokenizer does not belong to it")
+    byte_lengths = token_byte_lengths(tokenizer)
+    results = []
+    for seq_len in contexts:
+        rows = held_out_rows(tokenizer, seq_len, seed, data_dir)
+        result = bits_per_byte_of(model, rows, byte_lengths, batch_size, max_tokens, device)
+        results.append({"model": str(model_dir), "context": seq_len, "seed": seed, **result})
+        log(f"{model_dir} @ {context_label(seq_len)}: {result['bits_per_byte']:.4f} bits/byte "
+            f"({result['tokens']} tokens, {result['bytes']} bytes)")
+    return results
+
+
+def bpb_markdown(results: Sequence[dict[str, Any]]) -> str:
+    lines = ["# Held-out bits per byte", "", "| model | context | bits/byte | nats/token | tokens | bytes |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in results:
+        lines.append(f"| {r['model']} | {context_label(r['context'])} | {r['bits_per_byte']:.4f} | "
+                     f"{r['nats_per_token']:.4f} | {r['tokens']} | {r['bytes']} |")
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------ needles
+class Answerer(Protocol):
+    """Answers needle cases: one decoded completion per case, in order."""
+
+    def __call__(self, cases: Sequence[NeedleCase]) -> list[str]: ...
+
+
+class EngineAnswerer:
+    """Greedy completions of the cases' token-id prompts with a `megactx.LLM`: at most the answer's
+    tokens + ANSWER_SLACK, stopping at the answer's final `<|end|>`."""
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    def __call__(self, cases: Sequence[NeedleCase]) -> list[str]:
+        from megactx import SamplingParams
+
+        params = [SamplingParams(temperature=0.0, max_tokens=len(c.answer_ids) + ANSWER_SLACK,
+                                 stop_token_ids=[c.answer_ids[-1]]) for c in cases]
+        outs = self.llm.generate([c.input_ids for c in cases], params, use_tqdm=False)
+        return [o.text for o in outs]
+
+
+def answer_budget(task: NeedleTask) -> int:
+    """Tokens an answer of `task` may take: at most one a character of its text (byte-level BPE
+    never takes more), a leading space (plain prompts), `<|end|>` and the decoding slack."""
+    num_values = task.num_queries if task.kind == "multiquery" else 1
+    chars = num_values * task.value_digits + len(", ") * (num_values - 1)
+    return chars + 2 + ANSWER_SLACK
+
+
+def case_depths(num_cases: int) -> np.ndarray:
+    """[num_cases] the requested depth of each case of `NeedleGenerator.cases` (its contract:
+    evenly spaced over [0, 1], 0.5 for a single case)."""
+    return np.linspace(0.0, 1.0, num_cases) if num_cases > 1 else np.array([0.5])
+
+
+@dataclass
+class NeedleOutcome:
+    task: str  # NeedleTask.label
+    context: int  # the context the case was made for (prompt + answer budget)
+    index: int  # case index within (task, context)
+    depth: float  # requested depth of the first asked needle, in [0, 1]
+    prompt_tokens: int
+    answer: str
+    output: str
+    correct: bool
+
+
+@dataclass
+class NeedleReport:
+    """Outcomes of every case, and the summaries the reports show."""
+
+    model: str
+    seed: int
+    contexts: list[int]
+    tasks: list[str]
+    depth_buckets: int
+    threshold: float
+    trained_length: int | None
+    outcomes: list[NeedleOutcome] = field(default_factory=list)
+
+    def _select(self, task: str | None = None, context: int | None = None,
+                bucket: int | None = None) -> list[NeedleOutcome]:
+        return [o for o in self.outcomes
+                if (task is None or o.task == task) and (context is None or o.context == context)
+                and (bucket is None or self.bucket_of(o.depth) == bucket)]
+
+    def bucket_of(self, depth: float) -> int:
+        return min(int(depth * self.depth_buckets), self.depth_buckets - 1)
+
+    def accuracy(self, task: str | None = None, context: int | None = None, bucket: int | None = None) -> float:
+        """Fraction correct over the selected cases (None = all of them); NaN when none is selected."""
+        chosen = self._select(task, context, bucket)
+        return sum(o.correct for o in chosen) / len(chosen) if chosen else float("nan")
+
+    def holds_up_to(self, task: str | None = None) -> int | None:
+        """The longest context up to which every context (from the shortest) reaches the threshold;
+        None when even the shortest misses it."""
+        longest = None
+        for length in self.contexts:
+            if not self.accuracy(task, length) >= self.threshold:
+                break
+            longest = length
+        return longest
+
+    def summary(self) -> dict[str, Any]:
+        rows = {}
+        for task in [*self.tasks, None]:
+            name = task or "all"
+            per_context = {}
+            for length in self.contexts:
+                chosen = self._select(task, length)
+                correct = sum(o.correct for o in chosen)
+                low, high = wilson_interval(correct, len(chosen))
+                per_context[str(length)] = {
+                    "accuracy": correct / len(chosen) if chosen else None, "cases": len(chosen),
+                    "ci95": [low, high],
+                    "by_depth": [None if math.isnan(a := self.accuracy(task, length, b)) else a
+                                 for b in range(self.depth_buckets)]}
+            rows[name] = {"per_context": per_context, "holds_up_to": self.holds_up_to(task)}
+        trained = None
+        if self.trained_length is not None:
+            within = [c for c in self.contexts if c <= self.trained_length]
+            trained = {"length": self.trained_length,
+                       "passes": bool(within) and all(self.accuracy(None, c) >= self.threshold for c in within)}
+        return {"model": self.model, "seed": self.seed, "contexts": self.contexts, "tasks": self.tasks,
+                "depth_buckets": self.depth_buckets, "threshold": self.threshold, "trained_length": trained,
+                "results": rows}
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.summary(), "outcomes": [asdict(o) for o in self.outcomes]}
+
+    def markdown(self) -> str:
+        heads = " | ".join(context_label(c) for c in self.contexts)
+        lines = [f"# Needle retrieval: {self.model}", "",
+                 f"seed {self.seed}; exact match; greedy; threshold {self.threshold:.0%}", "",
+                 f"| task | {heads} | holds up to |", "|---|" + "---:|" * (len(self.contexts) + 1)]
+        summary = self.summary()
+        for name, row in summary["results"].items():
+            cells = []
+            for c in self.contexts:
+                r = row["per_context"][str(c)]
+                cells.append("–" if r["accuracy"] is None else f"{r['accuracy']:.1%} (n={r['cases']})")
+            holds = row["holds_up_to"]
+            lines.append(f"| {name} | {' | '.join(cells)} | {context_label(holds) if holds else 'none'} |")
+        if summary["trained_length"]:
+            t = summary["trained_length"]
+            verdict = "passes" if t["passes"] else "FAILS"
+            holds = summary["results"]["all"]["holds_up_to"]
+            lines += ["", f"Trained length {context_label(t['length'])}: {verdict} >= {self.threshold:.0%} "
+                          f"at every context up to it; all tasks hold up to "
+                          f"{context_label(holds) if holds else 'none'} of the contexts measured."]
+        lines += ["", f"Accuracy by depth of the asked needle (all tasks; rows: depth buckets of "
+                      f"1/{self.depth_buckets})", "", f"| depth | {heads} |", "|---|" + "---:|" * len(self.contexts)]
+        for b in range(self.depth_buckets):
+            cells = ["–" if math.isnan(a := self.accuracy(None, c, b)) else f"{a:.0%}" for c in self.contexts]
+            lines.append(f"| {b / self.depth_buckets:.1f}–{(b + 1) / self.depth_buckets:.1f} | {' | '.join(cells)} |")
+        return "\n".join(lines) + "\n"
+
+    def plot(self, path: str | Path) -> None:
+        """Accuracy vs context (one line per task and all) and a depth x context heatmap (all tasks)."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+        xs = range(len(self.contexts))
+        for task in [*self.tasks, None]:
+            left.plot(xs, [self.accuracy(task, c) for c in self.contexts], marker="o", label=task or "all",
+                      linewidth=2.5 if task is None else 1.2)
+        left.axhline(self.threshold, color="gray", linestyle="--", linewidth=0.8)
+        if self.trained_length is not None:
+            trained_x = sum(c <= self.trained_length for c in self.contexts) - 0.5
+            left.axvline(trained_x, color="red", linestyle=":", linewidth=0.8, label="trained length")
+        left.set_xticks(list(xs), [context_label(c) for c in self.contexts])
+        left.set(xlabel="context (tokens)", ylabel="exact-match accuracy", ylim=(-0.02, 1.02),
+                 title="needle retrieval vs context")
+        left.legend(fontsize=8)
+        grid = np.array([[self.accuracy(None, c, b) for c in self.contexts] for b in range(self.depth_buckets)])
+        image = right.imshow(grid, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto", origin="upper")
+        right.set_xticks(list(xs), [context_label(c) for c in self.contexts])
+        buckets = range(self.depth_buckets)
+        right.set_yticks(buckets, [f"{b / self.depth_buckets:.1f}" for b in buckets])
+        right.set(xlabel="context (tokens)", ylabel="depth of the asked needle", title="accuracy, depth x context")
+        fig.colorbar(image, ax=right)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+
+
+def needle_cases(generator: NeedleGenerator, task: NeedleTask, context: int, num_cases: int,
+                 seed: int) -> Iterator[NeedleCase]:
+    """The cases of `task` at `context`: prompts of context - answer_budget(task) tokens."""
+    prompt_len = context - answer_budget(task)
+    if prompt_len < 1:
+        raise ValueError(f"--contexts {context} is shorter than task {task.label}'s answer budget of "
+                         f"{answer_budget(task)} tokens; use longer contexts")
+    return generator.cases(task, prompt_len, num_cases, seed)
+
+
+def evaluate_needles(answer: Answerer, generator: NeedleGenerator, tasks: Sequence[NeedleTask],
+                     contexts: Sequence[int], num_cases: int, seed: int, model: str = "", batch_size: int = 8,
+                     depth_buckets: int = DEFAULT_DEPTH_BUCKETS, threshold: float = DEFAULT_THRESHOLD,
+                     trained_length: int | None = None, log: Callable[[str], object] | None = None) -> NeedleReport:
+    """Run `num_cases` cases of every task at every context through `answer`, `batch_size` cases
+    at a time (a 1M-token prompt is large: cases are made as they are needed), and score them by
+    exact match."""
+    if num_cases < 1:
+        raise ValueError(f"--cases must be at least 1, got {num_cases}")
+    if batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1, got {batch_size}")
+    if depth_buckets < 1:
+        raise ValueError(f"--depth-buckets must be at least 1, got {depth_buckets}")
+    report = NeedleReport(model, seed, sorted(contexts), [t.label for t in tasks], depth_buckets, threshold,
+                          trained_length)
+    depths = case_depths(num_cases)
+    for context in report.contexts:
+        for task in tasks:
+            cases = needle_cases(generator, task, context, num_cases, seed)
+            index = 0
+            while batch := [c for _, c in zip(range(batch_size), cases)]:
+                outputs = answer(batch)
+                for case, output in zip(batch, outputs, strict=True):
+                    report.outcomes.append(NeedleOutcome(task.label, context, index, float(depths[index]),
+                                                         len(case.input_ids), case.answer, output,
+                                                         case.is_correct(output)))
+                    index += 1
+            if log:
+                log(f"{task.label} @ {context_label(context)}: {report.accuracy(task.label, context):.1%} "
+                    f"of {num_cases}")
+    return report
+
+
+def write_needle_report(report: NeedleReport, out: str | Path) -> list[Path]:
+    """needles.json, needles.md and needles.png under `out` (created); returns their paths."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "needles.json", out / "needles.md", out / "needles.png"]
+    paths[0].write_text(json.dumps(report.to_json(), indent=1))
+    paths[1].write_text(report.markdown())
+    report.plot(paths[2])
+    return paths
+
+
+def parse_tasks(text: str) -> list[NeedleTask]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [n for n in names if n not in STANDARD_TASKS]
+    if unknown or not names:
+        raise ValueError(f"--tasks takes names from {', '.join(STANDARD_TASKS)}, got {text!r}")
+    return [STANDARD_TASKS[n] for n in names]
+
+
+# ------------------------------------------------------------------------------ CLI
+def add_eval_parser(subparsers: Any) -> None:
+    """Register `eval` with its `bpb` and `needles` subcommands on an argparse subparsers object."""
+    p = subparsers.add_parser("eval", help="evaluate a checkpoint: held-out bits per byte, needle retrieval",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    kinds = p.add_subparsers(dest="evaluation", metavar="EVALUATION")
+    p.set_defaults(func=lambda args: (p.print_help(), 0)[1])
+
+    def common(sp: argparse.ArgumentParser, default_contexts: str | None, *aliases: str) -> None:
+        sp.add_argument("--seed", type=int, default=0, help="seed of the cases / document order (default 0)")
+        sp.add_argument("--contexts", *aliases, dest="contexts", default=default_contexts,
+                        help="comma-separated lengths, e.g. 4k,16k,1m (k = 1024)"
+                             + (f" (default {default_contexts})" if default_contexts else
+                                " (default: 4K, 16K, 64K, 128K, ... 1M up to the model's context)"))
+        sp.add_argument("--batch-size", type=int, default=8, help="rows / cases in flight at once (default 8)")
+        sp.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+        sp.add_argument("--out", type=Path, default=None, help="directory for the JSON + Markdown (+ PNG) reports")
+
+    b = kinds.add_parser("bpb", help="held-out bits per byte (one or several checkpoints)",
+                         description="Held-out bits per byte of the code corpus, reference forward, no grad.")
+    b.add_argument("--model", action="append", required=True, help="checkpoint directory; repeat to compare models")
+    b.add_argument("--data-dir", type=Path, default=None,
+                   help="prepared data directory: its corpus snapshot and token cache (default: the stdlib)")
+    b.add_argument("--max-tokens", type=int, default=None, help="score at most about this many tokens a context")
+    b.add_argument("--backend", choices=("torch", "triton"), default="torch",
+                   help="torch: the reference forward (default); triton: the paged kernels (long contexts)")
+    common(b, DEFAULT_BPB_CONTEXT, "--seq-len")
+    b.set_defaults(func=run_bpb)
+
+    n = kinds.add_parser("needles", help="needle-retrieval accuracy per context and depth (greedy, exact match)",
+                         description="Needle retrieval: accuracy per context and per depth bucket.")
+    n.add_argument("--model", required=True, help="checkpoint directory (with tokenizer.json)")
+    n.add_argument("--cases", type=int, default=DEFAULT_CASES, help=f"cases per task and context "
+                                                                    f"(default {DEFAULT_CASES})")
+    n.add_argument("--tasks", default="single", help=f"comma-separated, from {', '.join(STANDARD_TASKS)} "
+                                                     "(default single)")
+    n.add_argument("--corpus", type=Path, default=None,
+                   help="corpus snapshot directory for the haystacks (default: this interpreter's stdlib, held out)")
+    n.add_argument("--depth-buckets", type=int, default=DEFAULT_DEPTH_BUCKETS, help="rows of the depth heatmap")
+    n.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD, help="accuracy a context must reach")
+    n.add_argument("--trained-length", type=int, default=None,
+                   help="the model's trained context: the report says whether every context up to it passes")
+    n.add_argument("--max-num-batched-tokens", type=int, default=8192, help="engine prefill chunk budget")
+    common(n, None)
+    n.set_defaults(func=run_needles)
+
+
+def _checkpoint_dir(model: str | Path) -> Path:
+    if not (Path(model) / "config.json").is_file():
+        raise FileNotFoundError(f"--model {model} is not a checkpoint directory (config.json, *.safetensors, "
+                                "tokenizer.json)")
+    return Path(model)
+
+
+def _fail(message: str) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def run_bpb(args: argparse.Namespace) -> int:
+    try:
+        contexts = parse_contexts(args.contexts)
+        results = []
+        for model in map(_checkpoint_dir, args.model):
+            results += evaluate_bpb(model, contexts, args.seed, args.data_dir, args.batch_size, args.max_tokens,
+                                    args.device, backend=args.backend)
+    except (OSError, ValueError) as e:
+        return _fail(str(e))
+    for r in results:
+        print(f"{r['model']}\t{r['context']}\t{r['bits_per_byte']:.6f}")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bpb.json").write_text(json.dumps(results, indent=1))
+        (args.out / "bpb.md").write_text(bpb_markdown(results))
+    return 0
+
+
+def run_needles(args: argparse.Namespace) -> int:
+    from megactx import LLM, ModelConfig
+    from megactx.train.corpus import Corpus
+    from megactx.train.data import needle_generator
+
+    try:
+        tasks = parse_tasks(args.tasks)
+        if not 0.0 <= args.threshold <= 1.0:
+            raise ValueError(f"--threshold must be an accuracy in [0, 1], got {args.threshold}")
+        cfg = ModelConfig.from_pretrained(_checkpoint_dir(args.model))
+        limit = cfg.max_position_embeddings
+        contexts = (parse_contexts(args.contexts) if args.contexts
+                    else [c for c in CONTEXT_LADDER if c <= limit])
+        if not contexts or max(contexts) > limit:
+            raise ValueError(f"--contexts must be at most the model's context of {limit} tokens, got "
+                             f"{args.contexts or 'none below it'}")
+        if not (Path(args.model) / "tokenizer.json").is_file():
+            raise ValueError(f"{args.model} has no tokenizer.json; needle cases are made with the model's tokenizer")
+        corpus = held_out_corpus(Corpus.from_directory(args.corpus) if args.corpus else None)
+        generator = needle_generator(args.model, "held_out", corpus)
+        llm = LLM(args.model, device=args.device, max_model_len=max(contexts), max_num_seqs=args.batch_size,
+                  max_num_batched_tokens=args.max_num_batched_tokens)
+        report = evaluate_needles(EngineAnswerer(llm), generator, tasks, contexts, args.cases, args.seed,
+                                  str(args.model), args.batch_size, args.depth_buckets, args.threshold,
+                                  args.trained_length, log=print)
+    except (OSError, ValueError) as e:
+        return _fail(str(e))
+    print(report.markdown())
+    out = args.out or Path("runs") / "eval" / Path(args.model).name
+    for path in write_needle_report(report, out):
+        print(f"wrote {path}")
+    return 0

@@ -1,0 +1,247 @@
+"""`megactx bench spec`: a smoke run of every rung on a tiny random MTP checkpoint (the draft counts
+must obey the acceptance bookkeeping), summing per-request draft statistics, and the targets and
+reports rendered from made-up figures."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from benchmarks.spec import (
+    NO_SPEC,
+    RUNGS,
+    TARGET_SPEEDUP,
+    SpecFigures,
+    evaluate_targets,
+    held_out_prompts,
+    load_held_out,
+    render_markdown,
+    speedup,
+    sum_draft_stats,
+    write_reports,
+)
+from megactx.cli import BENCH_SUITES, main
+from megactx.engine.spec_decode import SpecDecodeStats
+from megactx.testing import make_random_checkpoint
+from megactx.train.corpus import Corpus, SourceFile
+from megactx.train.data import CORPUS_SNAPSHOT, prepare_data
+
+GAMMAS, BATCHES, PROMPT_LEN, OUTPUT_LEN = (1, 3), (1, 2), 8, 6
+DATA_VOCAB = 300  # the held-out prompts' tokenizer: at most the checkpoint's 512
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    # 4 dense layers (3 full, 1 shared) and a small vocabulary: every engine step stays in milliseconds
+    return make_random_checkpoint(tmp_path_factory.mktemp("ckpt"), preset="tiny", seed=2, vocab_size=512,
+                                  num_hidden_layers=4, first_k_dense_replace=5, index_topk=16, index_n_heads=16)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny shapes run fastest on one torch thread (what a CPU run of the benchmark uses too)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _check_bookkeeping(results: dict, gammas, batches, output_len: int) -> None:
+    """Every engine ran at every batch, and its draft counts obey the acceptance bookkeeping."""
+    assert results["skipped"] == []
+    runs = {(d["rung"], d["gamma"], d["batch"]): SpecFigures.from_dict(d) for d in results["runs"]}
+    want = {(NO_SPEC, 0, b) for b in batches} | {(r.name, g, b) for r in RUNGS for g in gammas for b in batches}
+    assert set(runs) == want
+    for (rung, gamma, batch), f in runs.items():
+        assert f.output_tokens == batch * output_len and f.tokens_per_s == pytest.approx(f.output_tokens / f.wall_s)
+        if rung == NO_SPEC:
+            assert f.num_drafts == 0 and f.mean_acceptance_length is None
+            continue
+        assert speedup(results, f) == pytest.approx(f.tokens_per_s / runs[NO_SPEC, 0, batch].tokens_per_s)
+        # every decoding step after the prefill's token verifies one draft a request, and emits at
+        # least the token after the accepted drafts: no more drafts than tokens after the first
+        assert batch <= f.num_drafts <= batch * (output_len - 1)
+        # accepted drafts are a prefix of each draft: position j counts only drafts whose tokens 1..j were kept
+        assert f.drafted_per_position[0] == f.num_drafts and len(f.drafted_per_position) == gamma
+        assert sum(f.accepted_per_position) == f.num_accepted_tokens
+        assert all(a <= d for a, d in zip(f.accepted_per_position, f.drafted_per_position))
+        assert f.accepted_per_position == sorted(f.accepted_per_position, reverse=True)
+        assert 1.0 <= f.mean_acceptance_length <= gamma + 1
+        assert f.mean_acceptance_length == pytest.approx(1 + f.num_accepted_tokens / f.num_drafts)
+
+
+# ------------------------------------------------------------------------------ smoke run, CPU
+def test_smoke_run_measures_every_rung_and_writes_the_reports(ckpt, tmp_path, capsys):
+    assert "spec" in BENCH_SUITES
+    code = main(["bench", "spec", "--device", "cpu", "--model", str(ckpt), "--gammas", ",".join(map(str, GAMMAS)),
+                 "--batches", ",".join(map(str, BATCHES)), "--prompt-len", str(PROMPT_LEN), "--output-len",
+                 str(OUTPUT_LEN), "--out", str(tmp_path)])
+    assert code == 0
+    written = capsys.readouterr().out.split()
+    assert [p.rsplit("/", 1)[1] for p in written] == ["spec-cpu.json", "spec-cpu.md", "spec-cpu.png"]
+    results = json.loads((tmp_path / "spec-cpu.json").read_text())
+    assert results["prompts"] == "random token ids"
+    _check_bookkeeping(results, GAMMAS, BATCHES, OUTPUT_LEN)
+    md = (tmp_path / "spec-cpu.md").read_text()
+    assert "4.56" in md and "5.10" in md and "5.29" in md and "5.47" in md  # the published ladder beside ours
+    assert "## Batch 2" in md and "CPU run" in md
+
+
+@pytest.mark.gpu
+def test_cuda_quick_run_measures_every_rung(ckpt, tmp_path):
+    """The Triton path end to end (CUDA graphs without speculation, eager speculative steps)."""
+    assert main(["bench", "spec", "--device", "cuda", "--model", str(ckpt), "--quick", "--prompt-len", "32",
+                 "--output-len", "24", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("spec-*.json")  # named after the GPU
+    results = json.loads(path.read_text())
+    assert results["machine"]["device"] == "cuda"
+    _check_bookkeeping(results, (1, 7), (1,), 24)
+
+
+def test_bad_settings_are_refused_naming_the_flag(ckpt, tmp_path, capsys):
+    for extra, flag in ((["--temperature", "0"], "--temperature"), (["--gammas", "0,2"], "--gammas"),
+                        (["--batches", "0"], "--batches"), (["--output-len", "0"], "--output-len")):
+        code = main(["bench", "spec", "--device", "cpu", "--model", str(ckpt), "--out", str(tmp_path), *extra])
+        assert code == 2
+        assert flag in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+# ------------------------------------------------------------------------------ draft statistics
+def test_summed_request_stats_equal_one_stats_that_recorded_every_verify():
+    gamma = 4
+    g = torch.Generator().manual_seed(0)
+    per_request, together = [SpecDecodeStats(gamma) for _ in range(3)], SpecDecodeStats(gamma)
+    for _ in range(40):
+        i = int(torch.randint(0, 3, (1,), generator=g))
+        drafted = int(torch.randint(1, gamma + 1, (1,), generator=g))
+        accepted = int(torch.randint(0, drafted + 1, (1,), generator=g))
+        per_request[i].record(drafted, accepted)
+        together.record(drafted, accepted)
+    f = SpecFigures("x", gamma, 1, 1, 1.0, **sum_draft_stats(per_request, gamma))
+    assert f.mean_acceptance_length == pytest.approx(together.mean_acceptance_length)
+    assert f.acceptance_rate_per_position == pytest.approx(together.acceptance_rate_per_position)
+    assert f.num_drafts == together.num_drafts
+
+
+# ------------------------------------------------------------------------------ reports, fake figures
+def _figures(rung: str, gamma: int, batch: int, tokens_per_s: float, acceptance_length: float = 0.0) -> dict:
+    """A made-up run: 100 drafts whose acceptance length is the given one, spread over positions."""
+    tokens = 64 * batch
+    if rung == NO_SPEC:
+        return SpecFigures(rung, 0, batch, tokens, tokens / tokens_per_s).to_dict()
+    accepted = round((acceptance_length - 1) * 100)
+    per_position = [max(0, min(100, accepted - 100 * j)) for j in range(gamma)]
+    return SpecFigures(rung, gamma, batch, tokens, tokens / tokens_per_s, 100, accepted, [100] * gamma,
+                       per_position).to_dict()
+
+
+def _results(ladder: tuple[float, ...], speed: float, device: str = "cuda", random_weights: bool = False) -> dict:
+    runs = [_figures(NO_SPEC, 0, b, 100.0) for b in (1, 32)]
+    for rung, length in zip(RUNGS, ladder):
+        for gamma in (1, 7):
+            for b in (1, 32):
+                # γ = 7 is the fastest γ of the top rung; lower rungs are slower by their acceptance lengths
+                scale = length / ladder[-1] if gamma == 7 else 0.8
+                runs.append(_figures(rung.name, gamma, b, 100.0 * speed * scale,
+                                     length if gamma == 7 else min(length, 2.0)))
+    machine = {"device": device, "gpu": "NVIDIA H200" if device == "cuda" else None, "date": "2026-01-01",
+               "torch": "2.11", "triton": "3.6", "cuda": "12.8" if device == "cuda" else None}
+    return {"machine": machine, "prompts": "held-out code",
+            "settings": {"gammas": [1, 7], "batches": [1, 32], "prompt_len": 128, "output_len": 64,
+                         "temperature": 1.0, "reps": 1, "dtype": "bfloat16"},
+            "model": {"path": "trained", "random_weights": random_weights, "model_type": "glm_moe_dsa", "layers": 8,
+                      "hidden_size": 256, "vocab_size": 4096},
+            "runs": runs, "skipped": []}
+
+
+def test_targets_pass_on_a_rising_ladder_and_a_fast_enough_top_rung():
+    results = _results((4.56, 5.10, 5.29), speed=TARGET_SPEEDUP + 0.5)
+    targets = evaluate_targets(results)
+    assert [t["passed"] for t in targets] == [True, True, True]
+    assert targets[0]["figure"].startswith(f"{TARGET_SPEEDUP + 0.5:.2f}x at γ = 7")
+    assert targets[2]["figure"] == "5.29 vs 5.10"
+
+
+def test_targets_fail_on_a_falling_rung_or_too_little_speed_up():
+    targets = evaluate_targets(_results((4.56, 4.40, 5.29), speed=1.5))
+    assert [t["passed"] for t in targets] == [False, False, True]
+    md = render_markdown(_results((4.56, 4.40, 5.29), speed=1.5), targets)
+    assert md.count("**FAIL**") == 2
+
+
+def test_random_weights_and_cpu_runs_decide_no_target_but_show_the_figures():
+    for results, note in ((_results((4.56, 5.10, 5.29), 3.0, random_weights=True), "random weights"),
+                          (_results((4.56, 5.10, 5.29), 3.0, device="cpu"), "CPU run")):
+        targets = evaluate_targets(results)
+        assert targets[0]["passed"] is None and note in targets[0]["note"] and targets[0]["figure"] != "–"
+    assert "meaningless" in render_markdown(results := _results((4.56, 5.10, 5.29), 3.0, random_weights=True),
+                                            evaluate_targets(results))
+
+
+def test_reports_show_the_published_ladder_beside_ours_and_rewrite_from_json(tmp_path, capsys):
+    results = _results((4.61, 5.02, 5.33), speed=2.5)
+    paths = write_reports(results, tmp_path)
+    assert [p.name for p in paths] == ["spec-nvidia-h200.json", "spec-nvidia-h200.md", "spec-nvidia-h200.png"]
+    md = paths[1].read_text()
+    for rung, ours in zip(RUNGS, (4.61, 5.02, 5.33)):
+        assert f"| {rung.name} | {rung.published:.2f} | {ours:.3g} | {ours:.3g} |" in md
+    saved = json.loads(paths[0].read_text())
+    assert [t["passed"] for t in saved["targets"]] == [True, True, True]
+    paths[1].unlink()
+    assert main(["bench", "spec", "--from-json", str(paths[0])]) == 0
+    assert (tmp_path / "spec-nvidia-h200.md").read_text() == md
+    assert str(paths[1]) in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------ held-out code prompts
+def _corpus(num_files: int = 6) -> Corpus:
+    """Small Python files, every other one held out."""
+    files = []
+    for i in range(num_files):
+        text = "".join(f"def f{i}_{j}(x):\n    return x * {j} + {i}\n\n" for j in range(12))
+        files.append(SourceFile(f"pkg/mod{i}.py", text, held_out=i % 2 == 1))
+    return Corpus(tuple(files), "3.12.0", 0.5, "test")
+
+
+@pytest.fixture(scope="module")
+def data_and_model(ckpt, tmp_path_factory):
+    """A prepared data directory and a copy of the checkpoint that carries its tokenizer."""
+    root = tmp_path_factory.mktemp("data")
+    _corpus().save_snapshot(root / CORPUS_SNAPSHOT)
+    data = prepare_data(root, vocab_size=DATA_VOCAB)
+    model = root.parent / "model"
+    shutil.copytree(ckpt, model)
+    data.save_tokenizer(model)
+    return data, model
+
+
+def test_held_out_prompts_are_line_aligned_windows_of_held_out_code(data_and_model):
+    data, model = data_and_model
+    split = load_held_out(data.directory, model, vocab_size=512)
+    prompts = held_out_prompts(split, n=5, length=10, seed=3)
+    held_out_text = "".join(f.text for f in data.corpus.split("held_out"))
+    assert len(prompts) == 5 and all(len(p) == 10 for p in prompts)
+    for p in prompts:
+        text = data.tokenizer.decode(p)
+        assert text in held_out_text and text.startswith(("def ", "    return", "\n"))
+    with pytest.raises(ValueError, match="--prompt-len"):
+        held_out_prompts(split, n=5, length=split.num_tokens, seed=0)
+
+
+def test_held_out_prompts_need_the_checkpoints_tokenizer(data_and_model, ckpt):
+    data, _ = data_and_model
+    with pytest.raises(ValueError, match="another tokenizer"):
+        load_held_out(data.directory, ckpt, vocab_size=512)
+
+
+def test_a_run_on_held_out_code_says_so(data_and_model, tmp_path):
+    data, model = data_and_model
+    assert main(["bench", "spec", "--device", "cpu", "--model", str(model), "--data-dir", str(data.directory),
+                 "--quick", "--gammas", "2", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "spec-cpu.json").read_text())
+    assert results["skipped"] == [] and results["prompts"] == "held-out code"
+    assert "held-out code" in (tmp_path / "spec-cpu.md").read_text()

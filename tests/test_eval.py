@@ -1,0 +1,241 @@
+"""`megactx eval`: bits per byte match a hand computation and the training pipeline's held-out rows,
+needle accuracy is counted right per context and depth (an oracle scores 100%, a wrong answerer 0%,
+a depth-limited one exactly its depth range), and both commands run on a random tiny checkpoint
+and write their reports.
+
+A small corpus (the held-out stdlib files and a few training files), a 512-token tokenizer and a
+two-layer random model keep the file to seconds."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from megactx.cli import main
+from megactx.train.corpus import Corpus
+from megactx.train.data import needle_generator, prepare_data
+from megactx.train.evaluate import (
+    ANSWER_SLACK,
+    answer_budget,
+    bits_per_byte_of,
+    case_depths,
+    evaluate_needles,
+    held_out_rows,
+    needle_cases,
+    parse_contexts,
+    wilson_interval,
+)
+from megactx.train.needles import STANDARD_TASKS
+from megactx.train.tokenizer import SPECIAL_TOKENS, load_tokenizer, token_byte_lengths
+
+VOCAB = 512
+SEQ_LEN = 64
+CONTEXT = 512
+
+
+@pytest.fixture(scope="module")
+def small() -> Corpus:
+    stdlib = Corpus.from_stdlib()
+    return stdlib.subset([f.path for f in stdlib.split("held_out")] + [f.path for f in stdlib.split("train")[::60]])
+
+
+@pytest.fixture(scope="module")
+def data(small, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("data")
+    small.save_snapshot(directory / "corpus")
+    return prepare_data(directory, corpus=small, vocab_size=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(data, tmp_path_factory):
+    """A random two-layer tiny model that carries the data directory's tokenizer."""
+    from megactx.testing import make_random_checkpoint
+
+    path = make_random_checkpoint(tmp_path_factory.mktemp("ckpt"), vocab_size=VOCAB, num_hidden_layers=2,
+                                  first_k_dense_replace=1, dtype=torch.float32)
+    data.save_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def generator(checkpoint, small):
+    return needle_generator(checkpoint, corpus=small)
+
+
+# -- shared helpers -------------------------------------------------------------------------------
+
+def test_contexts_parse_binary_suffixes_and_refuse_nonsense():
+    assert parse_contexts("16k,4k, 1m,4096") == [4096, 16384, 1 << 20]
+    for bad in ("", "4q", "0", "1.5"):
+        with pytest.raises(ValueError, match="--contexts"):
+            parse_contexts(bad)
+
+
+def test_wilson_interval_matches_the_formula_and_brackets_the_rate():
+    low, high = wilson_interval(190, 200)
+    p, n, z = 0.95, 200, 1.959963984540054
+    center = (p + z**2 / (2 * n)) / (1 + z**2 / n)
+    half = z / (1 + z**2 / n) * math.sqrt(p * (1 - p) / n + z**2 / (4 * n**2))
+    assert low == pytest.approx(center - half) and high == pytest.approx(center + half)
+    assert low < p < high and wilson_interval(0, 0) == (0.0, 1.0)
+
+
+# -- bits per byte --------------------------------------------------------------------------------
+
+def test_held_out_rows_are_the_training_pipelines_held_out_rows(data, checkpoint):
+    rows = held_out_rows(load_tokenizer(checkpoint), SEQ_LEN, seed=3, data_dir=data.directory)
+    assert torch.equal(rows, data.pretraining_sequences(SEQ_LEN, "held_out", seed=3))
+    # without a data directory: the stdlib's held-out files, which the small corpus holds all of
+    assert torch.equal(held_out_rows(load_tokenizer(checkpoint), SEQ_LEN, seed=3), rows)
+
+
+def test_bits_per_byte_matches_a_hand_computation(data):
+    tok = data.tokenizer
+    rows = data.pretraining_sequences(SEQ_LEN, "held_out")[:5]
+    gen = torch.Generator().manual_seed(0)
+    bias = torch.randn(VOCAB, generator=gen)  # the same logits at every position
+
+    def model(ids):
+        return bias.expand(*ids.shape, VOCAB)
+
+    got = bits_per_byte_of(model, rows, token_byte_lengths(tok), batch_size=2)
+    # by hand: nll(t) = logsumexp(bias) - bias[t]; special tokens count neither loss nor bytes
+    log_z = float(np.log(np.exp(bias.double().numpy()).sum()))
+    special = {tok.token_to_id(s) for s in SPECIAL_TOKENS}
+    targets = [t for t in rows[:, 1:].flatten().tolist() if t not in special]
+    nats = sum(log_z - float(bias[t]) for t in targets)
+    num_bytes = sum(len(tok.id_to_token(t)) for t in targets)  # byte-level: one character a byte
+    assert got["tokens"] == len(targets) and got["bytes"] == num_bytes and got["rows"] == 5
+    # the loss is computed from fp32 logits: agreement to fp32 rounding over a few hundred terms
+    assert got["bits_per_byte"] == pytest.approx(nats / (math.log(2) * num_bytes), rel=1e-6)
+    # --max-tokens scores whole rows: ceil(max_tokens / seq_len) of them
+    assert bits_per_byte_of(model, rows, token_byte_lengths(tok), max_tokens=SEQ_LEN + 1)["rows"] == 2
+
+
+def test_eval_bpb_command_prints_and_writes_the_reports(checkpoint, data, tmp_path, capsys):
+    out = tmp_path / "bpb"
+    code = main(["eval", "bpb", "--model", str(checkpoint), "--data-dir", str(data.directory), "--seq-len", "64",
+                 "--max-tokens", "256", "--out", str(out), "--device", "cpu"])
+    assert code == 0
+    results = json.loads((out / "bpb.json").read_text())
+    assert len(results) == 1 and results[0]["context"] == SEQ_LEN and results[0]["rows"] == 4
+    assert math.isfinite(results[0]["bits_per_byte"]) and results[0]["bits_per_byte"] > 0
+    assert f"{results[0]['bits_per_byte']:.6f}" in capsys.readouterr().out
+    assert "bits/byte" in (out / "bpb.md").read_text()
+
+
+# -- needles --------------------------------------------------------------------------------------
+
+TASKS = [STANDARD_TASKS["single"], STANDARD_TASKS["multikey"]]  # one asked needle, at the case's depth
+NUM_CASES = 5
+
+
+def _depth_of(case) -> float:
+    return next(n.depth for n in case.needles if n.role == "asked")
+
+
+def test_case_depths_follow_the_generators_contract(generator):
+    for task in TASKS:
+        cases = list(generator.cases(task, 300, NUM_CASES, seed=1))
+        assert [_depth_of(c) for c in cases] == pytest.approx(case_depths(NUM_CASES).tolist())
+
+
+def test_prompt_and_answer_fit_the_context(generator):
+    for task in STANDARD_TASKS.values():
+        for case in needle_cases(generator, task, CONTEXT, 2, seed=0):
+            assert len(case.input_ids) == CONTEXT - answer_budget(task)
+            assert len(case.answer_ids) + ANSWER_SLACK <= answer_budget(task)
+
+
+ANSWERERS = {
+    "oracle": lambda cases: [c.answer + "<|end|>trailing" for c in cases],  # text after <|end|> does not count
+    "wrong": lambda cases: [c.answer + "0" for c in cases],  # one digit more is no exact match
+    "shallow": lambda cases: [c.answer if _depth_of(c) < 0.5 else "" for c in cases],
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ANSWERERS))
+def test_needle_accuracy_is_counted_per_context_and_depth(generator, kind):
+    report = evaluate_needles(ANSWERERS[kind], generator, TASKS, [CONTEXT, 384], NUM_CASES, seed=2, batch_size=2,
+                              depth_buckets=2)
+    assert len(report.outcomes) == len(TASKS) * 2 * NUM_CASES
+    # depths 0, .25, .5, .75, 1: the shallow answerer knows the first two
+    expected = {"oracle": 1.0, "wrong": 0.0, "shallow": 2 / NUM_CASES}[kind]
+    for task in report.tasks:
+        for context in (384, CONTEXT):
+            assert report.accuracy(task, context) == pytest.approx(expected)
+    assert [o.depth for o in report.outcomes[:NUM_CASES]] == pytest.approx(case_depths(NUM_CASES).tolist())
+    if kind == "shallow":
+        assert report.accuracy(None, CONTEXT, bucket=0) == 1.0 and report.accuracy(None, CONTEXT, bucket=1) == 0.0
+        assert report.holds_up_to() is None
+    if kind == "oracle":
+        assert report.holds_up_to() == CONTEXT and report.summary()["results"]["all"]["holds_up_to"] == CONTEXT
+
+
+def test_engine_answerer_is_the_reference_models_greedy_decode(checkpoint, generator):
+    from megactx import LLM, load_model
+    from megactx.train.evaluate import EngineAnswerer
+
+    cases = list(needle_cases(generator, STANDARD_TASKS["single"], 128, 2, seed=4))
+    outputs = EngineAnswerer(LLM(checkpoint, device="cpu", max_model_len=128, max_num_seqs=2))(cases)
+    model, tok = load_model(checkpoint), load_tokenizer(checkpoint)
+    for case, output in zip(cases, outputs):
+        ids, new = list(case.input_ids), []
+        while len(new) < len(case.answer_ids) + ANSWER_SLACK:  # greedy, stopping at <|end|>
+            token = int(model(torch.tensor([ids]))[0, -1].argmax())
+            if token == case.answer_ids[-1]:
+                break
+            ids.append(token)
+            new.append(token)
+        assert output == tok.decode(new)
+
+
+def test_eval_needles_command_runs_the_engine_and_writes_reports(checkpoint, data, tmp_path, capsys):
+    out = tmp_path / "needles"
+    code = main(["eval", "needles", "--model", str(checkpoint), "--contexts", "256", "--cases", "2", "--seed", "1",
+                 "--tasks", "single", "--corpus", str(data.directory / "corpus"), "--out", str(out),
+                 "--device", "cpu", "--trained-length", "256", "--depth-buckets", "2"])
+    assert code == 0, capsys.readouterr().err
+    report = json.loads((out / "needles.json").read_text())
+    outcomes = report["outcomes"]
+    assert len(outcomes) == 2 and all(o["context"] == 256 for o in outcomes)
+    assert [o["correct"] for o in outcomes] == [o["output"].strip() == o["answer"] for o in outcomes]
+    accuracy = report["results"]["single"]["per_context"]["256"]["accuracy"]
+    assert accuracy == sum(o["correct"] for o in outcomes) / 2
+    assert (out / "needles.md").read_text().startswith("# Needle retrieval")
+    assert (out / "needles.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_eval_needles_refuses_contexts_beyond_the_model(checkpoint, capsys):
+    assert main(["eval", "needles", "--model", str(checkpoint), "--contexts", "2m", "--cases", "1"]) == 2
+    assert "--contexts" in capsys.readouterr().err
+
+
+# -- GPU ------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_bpb_of_the_paged_triton_forward_matches_the_reference_on_gpu(checkpoint, data):
+    from megactx.train.evaluate import evaluate_bpb
+
+    def bpb(backend):
+        return evaluate_bpb(checkpoint, [256], data_dir=data.directory, max_tokens=2048, device="cuda",
+                            dtype=torch.bfloat16, backend=backend, log=lambda _: None)[0]
+
+    reference, paged = bpb("torch"), bpb("triton")
+    assert paged["tokens"] == reference["tokens"] and paged["bytes"] == reference["bytes"]
+    # bf16 activations and an FP8 indexer cache move the loss a little, never by percent
+    assert paged["bits_per_byte"] == pytest.approx(reference["bits_per_byte"], rel=2e-2)
+
+
+@pytest.mark.gpu
+def test_eval_needles_runs_on_gpu_at_4k(checkpoint, data, tmp_path):
+    out = tmp_path / "needles"
+    assert main(["eval", "needles", "--model", str(checkpoint), "--contexts", "1k,4k", "--cases", "8", "--seed", "0",
+                 "--tasks", "single,multihop", "--corpus", str(data.directory / "corpus"), "--out", str(out)]) == 0
+    report = json.loads((out / "needles.json").read_text())
+    assert len(report["outcomes"]) == 2 * 2 * 8
+    assert all(o["correct"] == (o["output"].strip() == o["answer"]) for o in report["outcomes"])
