@@ -7,7 +7,7 @@ import torch
 BASE = dict(
     vocab_size=97, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
     num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16,
-    qk_rope_head_dim=8, v_head_dim=24, index_n_heads=4, index_head_dim=16, index_topk=8,
+    qk_rope_head_dim=8, v_head_dim=24, index_n_heads=16, index_head_dim=16, index_topk=8,
     n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
     routed_scaling_factor=2.5, norm_topk_prob=True, n_group=1, topk_group=1, rms_norm_eps=1e-5,
     max_position_embeddings=4096, tie_word_embeddings=False,
@@ -16,7 +16,9 @@ BASE = dict(
 
 def hf_model(model_type: str = "glm_moe_dsa", seed: int = 0, **overrides):
     """A transformers model in fp32 with eager attention and every parameter randomised at a
-    scale where routing, top-k selection and logits all matter."""
+    scale where routing, top-k selection and logits all matter. 16 indexer heads: with few heads
+    many keys score exactly 0 (every head ReLU'd away), and which tied keys fill the top-k is
+    arbitrary — transformers takes torch.topk's pick, megactx the lowest positions."""
     import transformers
 
     kwargs = {**BASE, **overrides}

@@ -9,6 +9,8 @@ def test_demo_runs_and_shows_indexshare(capsys):
     out = capsys.readouterr().out
     assert "IndexShare removes 57" in out
     assert "top-k of layer 2" in out and "FFFSSSFS" in out
+    # the engine (with and without MTP speculation) reproduces the reference's greedy tokens
+    assert out.count("equal to the reference's greedy tokens: True") == 2
 
 
 def test_help_lists_the_commands(capsys):

@@ -65,7 +65,8 @@ def test_transformers_loads_our_checkpoint_with_an_mtp_layer(tmp_path):
     from megactx import ModelConfig
     from megactx.model import build_model
 
-    cfg = ModelConfig.from_pretrained("tiny").replace(vocab_size=128, index_topk=16)
+    # 16 indexer heads: no exact-zero ties in the top-k (see hf_models.hf_model)
+    cfg = ModelConfig.from_pretrained("tiny").replace(vocab_size=128, index_topk=16, index_n_heads=16)
     ours = build_model(cfg, seed=1)
     save_pretrained(ours, tmp_path)
     theirs = transformers.GlmMoeDsaForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").float().eval()

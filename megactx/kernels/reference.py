@@ -173,13 +173,14 @@ def logical_to_slots(block_table: torch.Tensor, seq_idx: torch.Tensor, positions
 def topk_rows(logits: torch.Tensor, k: int, key_len: torch.Tensor | None = None) -> torch.Tensor:
     """logits: [T, L] fp32 (-inf = not a candidate); key_len: [T] or None, only the first key_len[t]
     entries of row t are candidates -> logical key positions [T, k] int32, -1 where the row has
-    fewer than k candidates. Order within a row is unspecified."""
+    fewer than k candidates; ties go to the lowest position. Order within a row is unspecified."""
     if key_len is not None:
         cols = torch.arange(logits.shape[-1], device=logits.device)
         logits = logits.masked_fill(cols >= key_len[:, None], float("-inf"))
     if k > logits.shape[-1]:
         logits = torch.nn.functional.pad(logits, (0, k - logits.shape[-1]), value=float("-inf"))
-    values, idx = logits.topk(k, dim=-1)
+    values, idx = logits.sort(dim=-1, descending=True, stable=True)  # ties: lowest position, as the kernel
+    values, idx = values[..., :k], idx[..., :k]
     return idx.masked_fill(values == float("-inf"), -1).int()
 
 

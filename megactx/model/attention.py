@@ -64,9 +64,12 @@ def causal_mask(q_pos: torch.Tensor, num_keys: int) -> torch.Tensor:
 def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     """scores: [B, S, T] fp32, -inf where not allowed -> indices [B, S, min(k, T)] int64, -1 = none.
 
-    A row with fewer than k allowed keys keeps all of them and pads with -1."""
+    A row with fewer than k allowed keys keeps all of them and pads with -1. Ties go to the lowest
+    position (a stable sort), as in the Triton top-k: a key set that does not depend on the row's
+    length, so chunked prefill selects what the full forward selects."""
     k = min(k, scores.shape[-1])
-    values, idx = scores.topk(k, dim=-1)
+    values, idx = scores.sort(dim=-1, descending=True, stable=True)
+    values, idx = values[..., :k], idx[..., :k]
     return idx.masked_fill(values == float("-inf"), -1)
 
 
