@@ -36,13 +36,8 @@ def ckpt(tmp_path_factory):
     return make_random_checkpoint(tmp_path_factory.mktemp("ckpt"), preset="tiny", seed=2)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny shapes run fastest on one torch thread (what a CPU run of the benchmark uses too)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# tiny models on a shared CPU: one torch thread (see conftest.one_torch_thread)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ------------------------------------------------------------------------------ figures

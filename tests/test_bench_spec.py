@@ -40,13 +40,8 @@ def ckpt(tmp_path_factory):
                                   num_hidden_layers=4, first_k_dense_replace=5, index_topk=16, index_n_heads=16)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny shapes run fastest on one torch thread (what a CPU run of the benchmark uses too)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# tiny models on a shared CPU: one torch thread (see conftest.one_torch_thread)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _check_bookkeeping(results: dict, gammas, batches, output_len: int) -> None:

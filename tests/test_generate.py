@@ -19,14 +19,8 @@ PROMPT = "def fib(n):"
 TOKENS = 8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny shapes run fastest on one torch thread; on a busy machine, OpenMP threads spinning for
-    their turn make every op many times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# tiny models on a shared CPU: one torch thread (see conftest.one_torch_thread)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -42,13 +42,8 @@ INIT_STD = 0.2
 SAME_COMPUTATION_ATOL = 1e-5  # one model vs another holding the same weights: identical ops
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny ops on a shared CPU: two intra-op threads only spin against each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# tiny models on a shared CPU: one torch thread (see conftest.one_torch_thread)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def micro_config(**overrides) -> ModelConfig:

@@ -53,14 +53,8 @@ def _model(bigram_scale: float | None = None, **overrides):
     return model
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The models here are tiny: a second CPU thread only adds synchronisation, and spin-waiting
-    when other processes share the cores (10-30x slower steps were seen). Restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# tiny models on a shared CPU: one torch thread (see conftest.one_torch_thread)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -55,13 +55,8 @@ from megactx.train.trainer import (
 VOCAB = smoke_recipe().model.vocab_size
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny ops on a shared CPU: two intra-op threads only spin against each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# tiny models on a shared CPU: one torch thread (see conftest.one_torch_thread)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def micro_config(**overrides):
