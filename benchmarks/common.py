@@ -407,3 +407,23 @@ def save_figure(fig, path: Path) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def measure_machine_ceilings(device: str | torch.device, budget_s: float = 0.5) -> dict[str, Any] | None:
+    """The GPU ceilings (8192³ bf16 / FP8 matmul, 1 GiB copy) a suite reports beside its figures;
+    None on a CPU, where the suites' runs are smoke runs and a bf16 matmul ceiling takes minutes."""
+    if torch.device(device).type != "cuda":
+        return None
+    return measure_ceilings(Clock(device), 8192, 1 << 30, budget_s).to_dict()
+
+
+def ceilings_markdown(ceilings: Ceilings) -> str:
+    """The '## Ceilings' section of a report."""
+    d = ceilings.detail
+    fp8 = f"{fmt_num(ceilings.fp8_mm)} TFLOP/s" + (f" ({d['fp8_mm_error']})" if "fp8_mm_error" in d else "")
+    return "## Ceilings (measured in this run)\n\n" + md_table(["ceiling", "value"], [
+        [f"bf16 matmul ({d.get('matmul_n')}³ `torch.mm`)", f"{fmt_num(ceilings.bf16_mm)} TFLOP/s"],
+        [f"FP8 matmul ({d.get('matmul_n')}³ `torch._scaled_mm`, e4m3, per-tensor scales)", fp8],
+        [f"device copy ({d.get('copy_bytes', 0) / 2**30:.3g} GiB, read + write counted)",
+         f"{fmt_num(ceilings.copy)} GB/s"],
+    ])

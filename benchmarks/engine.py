@@ -67,12 +67,15 @@ from typing import Any
 import torch
 
 from benchmarks.common import (
+    Ceilings,
     Progress,
+    ceilings_markdown,
     fmt_num,
     fmt_time,
     int_list,
     machine_info,
     md_table,
+    measure_machine_ceilings,
     rerender_from_json,
     save_figure,
     write_suite_reports,
@@ -559,7 +562,7 @@ class EngineBench:
         return self.results
 
     def _run_parts(self, start: float, after_part: Callable[[dict[str, Any]], object] | None) -> None:
-        parts = [("megactx offline", self.megactx)]
+        parts = [("ceilings", self.ceilings), ("megactx offline", self.megactx)]
         parts += [("transformers offline", self.transformers)] if self.s.peer else []
         parts += [("online", self.online)] if self.s.online else []
         for name, part in parts:
@@ -573,6 +576,12 @@ class EngineBench:
             self.results["wall_s"] = time.perf_counter() - start
             if after_part:
                 after_part(self.results)
+
+    def ceilings(self) -> None:
+        """The machine's matmul and copy ceilings, measured in this run beside the engines."""
+        c = self.results["ceilings"] = measure_machine_ceilings(self.s.device)
+        if c is not None:
+            self.progress.log(f"ceilings: bf16 mm {fmt_num(c['bf16_mm'])} TFLOP/s, copy {fmt_num(c['copy'])} GB/s")
 
     def _add(self, figures: RunFigures) -> None:
         self.results["offline"].append(figures.to_dict())
@@ -690,6 +699,8 @@ def render_markdown(results: dict[str, Any], targets: list[dict[str, Any]]) -> s
                "transformers: `generate` on the same prompts as one batch; its TTFT / ITL are per decoding step, "
                "the same for every request of the batch.\n")
 
+    if results.get("ceilings"):
+        out.append(ceilings_markdown(Ceilings.from_dict(results["ceilings"])) + "\n")
     out.append("## Offline\n")
     rows = []
     for d in results["offline"]:

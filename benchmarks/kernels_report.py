@@ -16,6 +16,7 @@ from benchmarks.common import (
     SAMPLED,
     Ceilings,
     Measurement,
+    ceilings_markdown,
     fmt_context,
     fmt_num,
     fmt_time,
@@ -242,14 +243,7 @@ def render_markdown(results: dict[str, Any], groups: list[dict[str, Any]], targe
     if m["device"] != "cuda":
         out.append("**This is a CPU smoke run under the Triton interpreter: the figures measure nothing.**\n")
 
-    out.append("## Ceilings (measured in this run)\n")
-    d = c.detail
-    out.append(md_table(["ceiling", "value"], [
-        [f"bf16 matmul ({d.get('matmul_n')}³ `torch.mm`)", f"{fmt_num(c.bf16_mm)} TFLOP/s"],
-        [f"FP8 matmul ({d.get('matmul_n')}³ `torch._scaled_mm`, e4m3, per-tensor scales)",
-         f"{fmt_num(c.fp8_mm)} TFLOP/s" + (f" ({d['fp8_mm_error']})" if "fp8_mm_error" in d else "")],
-        [f"device copy ({d.get('copy_bytes', 0) / 2**30:.3g} GiB, read + write counted)", f"{fmt_num(c.copy)} GB/s"],
-    ]))
+    out.append(ceilings_markdown(c))
 
     out.append("\n## Kernels and peers, one layer\n")
     rows = []

@@ -57,12 +57,15 @@ from typing import Any
 import torch
 
 from benchmarks.common import (
+    Ceilings,
     Progress,
+    ceilings_markdown,
     fmt_num,
     fmt_time,
     int_list,
     machine_info,
     md_table,
+    measure_machine_ceilings,
     rerender_from_json,
     save_figure,
     write_suite_reports,
@@ -328,6 +331,7 @@ class SpecBench:
         if self.s.threads:
             torch.set_num_threads(self.s.threads)
         try:
+            self.results["ceilings"] = measure_machine_ceilings(self.s.device)  # beside the engines, same run
             engines = [(0, None)] + [(g, r) for r in RUNGS for g in self.s.gammas]
             for gamma, rung in engines:
                 name = f"{rung.name} γ={gamma}" if rung else NO_SPEC
@@ -433,6 +437,8 @@ def render_markdown(results: dict[str, Any], targets: list[dict[str, Any]]) -> s
                + (" (no speculation replays CUDA graphs; the speculative engine runs its steps eagerly for now)"
                   if m["device"] == "cuda" else "") + ".\n")
 
+    if results.get("ceilings"):
+        out.append(ceilings_markdown(Ceilings.from_dict(results["ceilings"])) + "\n")
     out.append("## Ladder against the published GLM ablation\n")
     gamma = max(s["gammas"])
     rows = []
