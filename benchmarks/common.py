@@ -43,10 +43,11 @@ CEILING_MAX_REPS = 2000
 # ------------------------------------------------------------------------------------- timing
 @dataclass
 class Timing:
-    """Median and every sample of a timed callable, in seconds."""
+    """Median and every sample of a timed callable, in seconds; graph: timed as a CUDA graph replay."""
 
     median_s: float
     samples_s: list[float]
+    graph: bool = False
 
 
 class Clock:
@@ -82,16 +83,42 @@ class Clock:
         fn()
         return time.perf_counter() - t0
 
-    def time(self, fn: Callable[[], object], *, budget_s: float, min_reps: int = 1, max_reps: int = 100) -> Timing:
+    def time(self, fn: Callable[[], object], *, budget_s: float, min_reps: int = 1, max_reps: int = 100,
+             graph: bool = False) -> Timing:
         """Run fn `warmup` times, then repeat it until about budget_s seconds of timed runs (at least
-        min_reps, at most max_reps); the median is the figure."""
-        for _ in range(self.warmup):
+        min_reps, at most max_reps); the median is the figure. graph=True (CUDA only): time the
+        replay of fn captured in a CUDA graph, as the engine runs its decode steps, so that a kernel
+        of tens of microseconds is not timed with its launch overhead; Timing.graph says whether it
+        was (a capture that fails falls back to eager launches)."""
+        for _ in range(max(self.warmup, 1 if graph else 0)):
             fn()
         self.sync()
+        captured = self._capture(fn) if graph and self.cuda else None
+        if captured is not None:
+            fn = captured.replay
+            fn()
+            self.sync()
         samples = [self._one(fn)]
         reps = min(max_reps, max(min_reps, int(budget_s / max(samples[0], 1e-9))))
         samples += [self._one(fn) for _ in range(reps - 1)]
-        return Timing(statistics.median(samples), samples)
+        return Timing(statistics.median(samples), samples, graph=captured is not None)
+
+    def _capture(self, fn: Callable[[], object]) -> torch.cuda.CUDAGraph | None:
+        """fn captured in a CUDA graph (its allocations come from the graph's private pool), or None
+        where fn cannot be captured (a host sync inside it)."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # a run on a side stream first, as capture wants
+            fn()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                fn()
+        except RuntimeError:
+            self.sync()
+            return None
+        return graph
 
 
 # ------------------------------------------------------------------------------------- figures

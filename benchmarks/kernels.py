@@ -6,7 +6,9 @@ and logits + top-k over a causal prefill of L queries (in query chunks) and over
 context L; sparse MLA prefill and decode (bf16 and FP8 caches); their plain-PyTorch peers; dense
 SDPA on the expanded heads. From those it composes one IndexShare layer group (1 indexer + 4
 sparse attentions) against every layer running its own indexer and against dense attention, and
-checks the issue's targets. The ceilings (bf16 / FP8 matmul, device copy) are measured in the same
+checks the issue's targets. The decode figures (indexer and sparse MLA, ours and the plain peer) are
+CUDA graph replays, as the engine runs decode: eager launches would add ~10 µs of launch overhead
+to kernels of tens of µs. The ceilings (bf16 / FP8 matmul, device copy) are measured in the same
 run. Results: benchmarks/results/kernels-<gpu>.json, .md, .png (benchmarks/README.md explains
 every figure and the FLOP accounting).
 """
@@ -248,10 +250,13 @@ class KernelBench:
             self._largest[m.name] = m
 
     def _timed(self, name: str, L: int, fn: Callable[[], object], flops: float | None, bytes_: float | None,
-               ceiling: str | None, detail: dict[str, Any] | None = None, min_reps: int | None = None) -> None:
-        t = self.clock.time(fn, budget_s=self.s.budget_s, min_reps=self.s.min_reps if min_reps is None else min_reps)
+               ceiling: str | None, detail: dict[str, Any] | None = None, min_reps: int | None = None,
+               graph: bool = False) -> None:
+        """graph: time a CUDA graph replay (the decode steps, as the engine runs them)."""
+        t = self.clock.time(fn, budget_s=self.s.budget_s, min_reps=self.s.min_reps if min_reps is None else min_reps,
+                            graph=graph)
         self._add(Measurement(name, L, t.median_s, flops, bytes_, MEASURED, ceiling,
-                              {"reps": len(t.samples_s)} | (detail or {})))
+                              {"reps": len(t.samples_s), "cuda_graph": t.graph} | (detail or {})))
 
     def _rows(self, name: str, L: int, chunk: int, flops_of: Callable[[int, int], int], bytes_: float | None,
               prepare: Callable[[list[tuple[int, int]]], Callable[[], object]], ceiling: str | None,
@@ -368,10 +373,10 @@ class KernelBench:
         moved = B * L * (g.index_row_bytes + 4)  # keys and their scales read, fp32 logits written
         detail = {"batch": B, "pool_blocks": pool, "shared_blocks": pool < B * nb}
         self._timed("indexer.decode.logits", L, lambda: self.k.indexer_logits(q8, w, cache, bt, seq, key_len, L),
-                    flops, moved, "fp8_mm", detail)
+                    flops, moved, "fp8_mm", detail, graph=True)
         self._timed("indexer.decode.logits+topk", L,
                     lambda: self.k.indexer_topk_chunked(q8, w, cache, bt, seq, key_len, g.topk, B),
-                    flops, moved, "fp8_mm", detail)
+                    flops, moved, "fp8_mm", detail, graph=True)
 
     def plain_indexer_decode(self, L: int) -> None:
         """The indexer decode in plain PyTorch: bf16 keys [batch, L, DI], extrapolated (linear in L)
@@ -463,12 +468,12 @@ class KernelBench:
         detail = {"batch": B, "pool_blocks": pool, "shared_blocks": pool < B * nb}
         self._timed(f"sparse_mla.decode.{'fp8' if fp8 else 'bf16'}", L,
                     lambda: self.k.sparse_mla(q, cache, slots, g.softmax_scale, g.kv_lora_rank),
-                    g.sparse_flops(keys), keys * row, "bf16_mm", detail)
+                    g.sparse_flops(keys), keys * row, "bf16_mm", detail, graph=True)
         if not fp8:
             flat = cache.view(-1, g.kv_lora_rank + g.rope_dim)
             self._timed("plain.sparse.decode", L,
                         lambda: plain_sparse_mla(q, flat, slots, g.softmax_scale, g.kv_lora_rank),
-                        g.sparse_flops(keys), keys * row, "bf16_mm", detail)
+                        g.sparse_flops(keys), keys * row, "bf16_mm", detail, graph=True)
 
     # -------------------------------------------------------------------------- dense peer
     def sdpa(self, L: int) -> None:

@@ -483,9 +483,26 @@ def test_code_source_feeds_packed_code_and_needle_tasks(tmp_path):
     assert torch.equal(source.examples(0, 4, 600)["input_ids"], batch["input_ids"])
     needle, code = batch["loss_mask"][0], batch["loss_mask"][1]  # example 0 is a needle task, 1 is code
     assert code.all() and 0 < needle.sum() < 20 and needle[-1]
+    assert batch["needle_rows"].tolist() == [True, False, True, False]
     model = build_model(micro_config(vocab_size=320), seed=0)
-    loss, metrics = Objective(model, LossConfig())(batch["input_ids"][:2, :64], batch["loss_mask"][:2, :63])
-    assert torch.isfinite(loss)
+    ids, mask = batch["input_ids"][:, -64:], batch["loss_mask"][:, -63:]  # the needle rows' answers are at the end
+    objective = Objective(model, LossConfig(needle_weight=0.5))
+    loss, metrics = objective(ids, mask, batch["needle_rows"])
+    # the needle rows' loss is weighed apart from the code rows': each is its own rows' mean
+    _, code = objective(ids[1::2], mask[1::2])
+    _, needles = objective(ids[0::2], mask[0::2])
+    torch.testing.assert_close(metrics["lm"], code["lm"])
+    torch.testing.assert_close(metrics["needle"], needles["lm"])
+    torch.testing.assert_close(loss, code["lm"] + 0.5 * needles["lm"])
+
+    packed = CodeSource(data, seed=0, needle_fraction=1.0, needle_len=400)
+    row = packed.examples(0, 1, 1200)
+    ids, mask = row["input_ids"][0], row["loss_mask"][0]
+    tasks = [packed._needle_task(i, 400) for i in range(3)]  # row 0 packs tasks 0, 1, 2
+    assert torch.equal(ids, torch.cat([t["input_ids"] for t in tasks]))
+    assert mask.sum() == sum(int(t["loss_mask"].sum()) for t in tasks)
+    assert not mask[[399, 799]].any()  # no target across a task boundary
+    assert mask[398] and mask[798] and mask[-1]  # every task ends with its scored answer
 
 
 # ---------------------------------------------------------------------------------------------
@@ -523,6 +540,43 @@ def test_smoke_recipe_runs_every_stage_and_its_checkpoints_load(tmp_path, capsys
     capsys.readouterr()
     assert main(["train", "--smoke", "--out", str(out), "--no-progress"]) == 0  # all finished: nothing reruns
     assert capsys.readouterr().out.count("skipped") == len(names)
+
+    # the held-out-loss ablations: the sparse stage with an indexer in every layer, and dense
+    for variant in ("dsa", "dense"):
+        assert main(["train", "--smoke", "--out", str(out), "--no-progress", "--stages", "sparse",
+                     "--attention", variant]) == 0
+        ablation = load_model(out / f"sparse-{variant}" / "checkpoint")
+        assert ablation.cfg.indexer_types == ["full"] * 4
+        assert ablation.cfg.index_topk == (16 if variant == "dsa" else ablation.cfg.max_position_embeddings)
+        trained = {n for n, t in ablation.state_dict().items() if not torch.equal(t, every.state_dict()[n])}
+        assert any(".indexer." in n for n in trained) == (variant == "dsa")
+        assert any(".indexer." not in n for n in trained)
+
+
+def test_an_mtp_layer_moves_to_another_model_of_the_same_backbone(tmp_path):
+    from safetensors.torch import load_file
+
+    from megactx.model import save_pretrained
+    from megactx.train.recipe import export_mtp_layer, with_mtp_layer
+
+    cfg = micro_config()
+    source, target = build_model(cfg.replace(index_share_for_mtp_iteration=False), seed=1), build_model(cfg, seed=2)
+    save_pretrained(source, tmp_path / "source")
+    save_pretrained(target, tmp_path / "target", dtype=torch.bfloat16)
+    layer = export_mtp_layer(tmp_path / "source", tmp_path / "mtp.safetensors")
+    assert all(name.startswith(f"model.layers.{cfg.num_hidden_layers}.") for name in load_file(layer))
+    merged = load_model(with_mtp_layer(tmp_path / "target", layer, tmp_path / "merged"))
+    assert merged.cfg.index_share_for_mtp_iteration is False
+    theirs, ours = source.state_dict(), load_model(tmp_path / "target").state_dict()
+    for name, t in merged.state_dict().items():
+        want = theirs[name] if name.startswith("mtp.") else ours[name]
+        torch.testing.assert_close(t, want, rtol=1e-2, atol=1e-2, msg=name)  # bf16 in the files
+        if not name.startswith("mtp."):
+            assert torch.equal(t, ours[name]), name
+    other = build_model(cfg.replace(num_hidden_layers=3, index_topk_pattern="FSF"), seed=3)
+    save_pretrained(other, tmp_path / "other")
+    with pytest.raises(ValueError, match="does not fit"):
+        with_mtp_layer(tmp_path / "other", layer, tmp_path / "bad")
 
 
 # ---------------------------------------------------------------------------------------------

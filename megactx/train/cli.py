@@ -4,6 +4,7 @@
     megactx train --recipe tiny --out runs/tiny            # megactx-tiny on the stdlib corpus (GPU)
     megactx train --recipe tiny --out runs/tiny --stages sparse,extend --time-limit 25
     megactx train --recipe tiny --out runs/tiny --stages mtp_warmup,mtp --mtp-loss tv
+    megactx train --recipe tiny --out runs/tiny --stages sparse --attention dense   # an ablation
     torchrun --nproc-per-node 2 -m megactx train --recipe tiny --out runs/tiny   # data parallel
 
 Every stage resumes its own checkpoint and starts from the previous stage's, so a run cut by
@@ -42,6 +43,10 @@ def add_train_parser(subparsers: Any) -> None:
                         "(and --context-budget)")
     p.add_argument("--context-budget", type=float, default=None,
                    help="with --context auto: minutes the extend stage may take")
+    p.add_argument("--attention", choices=("indexshare", "dsa", "dense"), default=None,
+                   help="architecture from the sparse stage on: the recipe's IndexShare pattern (default), an "
+                        "indexer in every layer (dsa), or dense attention; the last two are ablations whose "
+                        "stage directories carry the name (sparse-dsa, sparse-dense)")
     p.add_argument("--mtp-loss", choices=("ce", "tv", "ce+tv"), default=None, help="MTP objective (default: ce)")
     p.add_argument("--mtp-share", action=argparse.BooleanOptionalAction, default=None,
                    help="IndexShare + KVShare across MTP steps (default: on)")
@@ -62,6 +67,8 @@ def build_recipe(args: argparse.Namespace):
     changes: dict[str, Any] = {}
     if args.data:
         changes["data"] = args.data
+    if args.attention:
+        changes["attention"] = args.attention
     if args.mtp_loss:
         changes["mtp_loss"] = args.mtp_loss
     if args.mtp_share is not None:

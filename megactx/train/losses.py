@@ -457,7 +457,10 @@ class LossConfig:
     layer. indexers: whose indexers get the KL loss: "none", "backbone" (every full backbone layer)
     or "mtp". mtp_steps: γ (0: no MTP objective); mtp_loss: "ce", "tv" or "ce+tv"; mtp_share:
     IndexShare + KVShare across steps. indexer_weight: the KL's weight in the total (it shares no
-    parameters with the other terms). chunk_bytes: transient memory of one attention chunk."""
+    parameters with the other terms). needle_weight: weight of the needle rows' LM loss (the mean
+    over their answer tokens), kept apart from the code rows' mean, where a few answer tokens
+    among thousands of code tokens would carry almost no gradient. chunk_bytes: transient memory
+    of one attention chunk."""
 
     lm: bool = True
     attention: str = "dense"
@@ -467,6 +470,7 @@ class LossConfig:
     mtp_loss: str = "ce"
     mtp_share: bool = True
     indexer_weight: float = 1.0
+    needle_weight: float = 1.0
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
 
     def __post_init__(self) -> None:
@@ -505,10 +509,12 @@ class Objective(nn.Module):
         trained = {"none": set(), "backbone": set(model.cfg.full_layers), "mtp": {n} if mtp_layers else set()}
         self.attention = TrainingAttention(model, dense, trained[cfg.indexers], cfg.chunk_bytes)
 
-    def forward(self, input_ids: torch.Tensor, loss_mask: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def forward(self, input_ids: torch.Tensor, loss_mask: torch.Tensor | None = None,
+                needle_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """input_ids: [B, S]; loss_mask: [B, S − 1] bool, True where target input_ids[:, j + 1]
-        counts in the LM loss (None: all). The MTP terms count every anchor."""
+        counts in the LM loss (None: all); needle_rows: [B] bool, rows that are needle tasks: their
+        LM loss is the term "needle" (weight cfg.needle_weight), the other rows' is "lm". The MTP
+        terms count every anchor."""
         cfg, model = self.cfg, self.model
         backbone_graph = cfg.lm or cfg.indexers == "backbone"
         terms: dict[str, torch.Tensor] = {}
@@ -519,13 +525,18 @@ class Objective(nn.Module):
             if cfg.lm:
                 labels = input_ids[:, 1:] if loss_mask is None else input_ids[:, 1:].masked_fill(~loss_mask, IGNORE)
                 labels = F.pad(labels, (0, 1), value=IGNORE)  # [B, S]: the last position has no target
-                terms["lm"] = lm_loss(model, hidden, labels, cfg.chunk_bytes)
+                if needle_rows is None:
+                    terms["lm"] = lm_loss(model, hidden, labels, cfg.chunk_bytes)
+                else:  # both terms always (0 for no rows), so every rank reports the same metrics
+                    for name, rows in (("lm", ~needle_rows), ("needle", needle_rows)):
+                        terms[name] = (lm_loss(model, hidden[rows], labels[rows], cfg.chunk_bytes) if rows.any()
+                                       else hidden.sum() * 0.0)
             if cfg.mtp_steps:
                 terms.update(self._mtp_terms(input_ids, hidden.detach(), metrics))
             losses = self.attention.finish()
         if losses:
             terms["indexer_kl"] = torch.stack(losses).mean()
-        weights = {"indexer_kl": cfg.indexer_weight}
+        weights = {"indexer_kl": cfg.indexer_weight, "needle": cfg.needle_weight}
         loss = sum(weights.get(name, 1.0) * t for name, t in terms.items())
         metrics.update({name: t.detach().float() for name, t in terms.items()})
         metrics["loss"] = loss.detach().float()

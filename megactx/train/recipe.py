@@ -9,6 +9,14 @@
 | mtp_warmup | backbone top-k, MTP dense        | MTP layer (+ indexer)    | MTP CE and/or TV (γ steps) + KL warm-up |
 | mtp        | top-k, IndexShare + KVShare      | MTP layer (+ indexer)    | MTP CE and/or TV + distillation KL      |
 
+A stage may mix needle tasks into its code rows (`Stage.needle_fraction`, loss on the answer only).
+
+`Recipe.attention` picks the architecture of the stages from `sparse` on: "indexshare" (the
+recipe's pattern), "dsa" (an indexer in every layer) or "dense" (no sparsity: every layer full with
+index_topk = max_position_embeddings, so every causal key is selected, and the indexers frozen).
+The last two are the held-out-loss ablations at equal budget; their stage directories carry the
+variant (`sparse-dsa`, `sparse-dense`) and share the `dense` and `warmup` stages.
+
 Stages 1–2 run the recipe's architecture with `indexer_types` all "full" (DSA in every layer);
 `sparse` converts it to the recipe's IndexShare pattern, keeping the indexers of the full layers
 (each warmed up on its own layer) and dropping the others; from then on each kept indexer learns
@@ -52,14 +60,25 @@ MTP_KINDS = ("mtp_warmup", "mtp")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
+ATTENTION_VARIANTS = ("indexshare", "dsa", "dense")
+
+
 @dataclass
 class Stage:
-    kind: str  # one of STAGE_KINDS
+    """kind: one of STAGE_KINDS. needle_fraction: share of the stage's sequences that are needle
+    tasks instead of code (code data only); needle_len: tokens a needle task, several packed a row
+    when shorter than the rows (None: one task a row)."""
+
+    kind: str
     train: TrainConfig
+    needle_fraction: float = 0.0
+    needle_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in STAGE_KINDS:
             raise ValueError(f"stage kind must be one of {', '.join(STAGE_KINDS)}, got {self.kind!r}")
+        if not 0.0 <= self.needle_fraction <= 1.0:
+            raise ValueError(f"needle_fraction must be in [0, 1], got {self.needle_fraction}")
 
 
 @dataclass
@@ -68,15 +87,15 @@ class Recipe:
 
     model: the final architecture (its indexer_types is the IndexShare pattern of the stages from
     `sparse` on). data: "synthetic" (RandomTokens) or "code" (megactx.train.data: the stdlib corpus
-    and its tokenizer, whose vocabulary replaces the model's). needle_fraction: share of the
-    `extend` stage's sequences that are needle tasks (code data only). mtp_steps: γ; mtp_loss:
-    "ce", "tv" or "ce+tv"; mtp_share: IndexShare + KVShare across the MTP steps."""
+    and its tokenizer, whose vocabulary replaces the model's). attention: one of ATTENTION_VARIANTS
+    (module docstring). mtp_steps: γ; mtp_loss: "ce", "tv" or "ce+tv"; mtp_share: IndexShare +
+    KVShare across the MTP steps."""
 
     name: str
     model: ModelConfig
     stages: list[Stage]
     data: str = "synthetic"
-    needle_fraction: float = 0.0
+    attention: str = "indexshare"
     mtp_steps: int = 7
     mtp_loss: str = "ce"
     mtp_share: bool = True
@@ -86,17 +105,22 @@ class Recipe:
     def __post_init__(self) -> None:
         if self.data not in ("synthetic", "code"):
             raise ValueError(f"data must be 'synthetic' or 'code', got {self.data!r}")
-        if not 0.0 <= self.needle_fraction <= 1.0:
-            raise ValueError(f"needle_fraction must be in [0, 1], got {self.needle_fraction}")
+        if self.attention not in ATTENTION_VARIANTS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION_VARIANTS)}, got {self.attention!r}")
         if any(s.kind in MTP_KINDS for s in self.stages) and not self.model.num_nextn_predict_layers:
             raise ValueError("MTP stages need model.num_nextn_predict_layers >= 1")
         LossConfig(mtp_steps=self.mtp_steps, mtp_loss=self.mtp_loss)  # validates both
 
     def stage_name(self, index: int) -> str:
         kind = self.stages[index].kind.replace("_", "-")
+        variant = "" if self.attention == "indexshare" or not self.sparse_from(index) else f"-{self.attention}"
         if self.stages[index].kind in MTP_KINDS:
-            return f"{kind}-{self.mtp_loss.replace('+', '')}-{'share' if self.mtp_share else 'noshare'}"
-        return kind
+            return f"{kind}-{self.mtp_loss.replace('+', '')}-{'share' if self.mtp_share else 'noshare'}{variant}"
+        return kind + variant
+
+    def sparse_from(self, index: int) -> bool:
+        """Whether stage `index` comes after the dense stages (where the attention variant applies)."""
+        return self.stages[index].kind not in ("dense", "warmup")
 
     def stage_index(self, name_or_kind: str) -> int:
         for i, stage in enumerate(self.stages):
@@ -107,9 +131,9 @@ class Recipe:
 
     def scaled(self, factor: float) -> Recipe:
         """The same recipe with every stage's steps (and warm-up) times `factor` (at least 1)."""
-        stages = [Stage(s.kind, dataclasses.replace(s.train, steps=max(1, round(s.train.steps * factor)),
-                                                    warmup_steps=round(s.train.warmup_steps * factor)))
-                  for s in self.stages]
+        stages = [dataclasses.replace(s, train=dataclasses.replace(
+            s.train, steps=max(1, round(s.train.steps * factor)), warmup_steps=round(s.train.warmup_steps * factor)))
+            for s in self.stages]
         return dataclasses.replace(self, stages=stages)
 
 
@@ -118,18 +142,27 @@ class Recipe:
 # ---------------------------------------------------------------------------------------------
 def stage_model_config(recipe: Recipe, index: int) -> ModelConfig:
     """The architecture stage `index` trains: every layer full before `sparse`, the recipe's
-    IndexShare pattern from it on; max_position_embeddings raised to the longest sequence trained
-    so far; MTP sharing as the recipe says."""
+    IndexShare pattern from it on (or its attention variant's); max_position_embeddings raised to
+    the longest sequence trained so far; MTP sharing as the recipe says."""
     cfg = recipe.model
     kind = recipe.stages[index].kind
-    if kind in ("dense", "warmup"):
-        cfg = cfg.replace(indexer_types=["full"] * cfg.num_hidden_layers, index_topk_pattern=None)
     longest = max(s.train.seq_len for s in recipe.stages[: index + 1])
     if longest > cfg.max_position_embeddings:
         cfg = cfg.replace(max_position_embeddings=longest)
+    if not recipe.sparse_from(index) or recipe.attention != "indexshare":
+        cfg = cfg.replace(indexer_types=["full"] * cfg.num_hidden_layers, index_topk_pattern=None)
+    if recipe.sparse_from(index) and recipe.attention == "dense":
+        cfg = cfg.replace(index_topk=cfg.max_position_embeddings)  # every causal key: dense attention
     if kind in MTP_KINDS:
         cfg = cfg.replace(index_share_for_mtp_iteration=recipe.mtp_share)
     return cfg
+
+
+def trained_kind(recipe: Recipe, index: int) -> str:
+    """The stage kind whose loss and trainable parameters stage `index` uses: its own, except that
+    the dense variant's sparse / extend stages train as `dense` does."""
+    kind = recipe.stages[index].kind
+    return "dense" if recipe.attention == "dense" and kind in ("sparse", "extend") else kind
 
 
 def loss_config(recipe: Recipe, kind: str) -> LossConfig:
@@ -189,11 +222,16 @@ def adapt_model(model: Transformer, cfg: ModelConfig) -> Transformer:
 class CodeSource:
     """The stdlib code corpus (megactx.train.data) as a TokenSource: packed rows of the train split
     in the hashed order of epoch e's seed, epoch after epoch; with needle_fraction > 0, every
-    round(1 / needle_fraction)-th example is a needle task instead (loss on its answer only)."""
+    round(1 / needle_fraction)-th example is a needle task instead (loss on its answer only;
+    "needle_rows" marks those rows, whose loss the Objective weighs apart from the code's).
+    needle_len: when shorter than the rows, a needle row packs seq_len // needle_len tasks of
+    needle_len tokens (the last one takes the remainder), each with its own needles: many cheap
+    retrieval examples a row, the earlier tasks' needles acting as distractors for the later."""
 
     data: object  # megactx.train.data.TrainingData
     seed: int = 0
     needle_fraction: float = 0.0
+    needle_len: int | None = None
     _packed: dict = field(default_factory=dict, repr=False)  # (seq_len, epoch) -> PackedDataset
     _needles: object = field(default=None, repr=False)
 
@@ -208,24 +246,37 @@ class CodeSource:
             self._packed[key] = PackedDataset(rows, seed=self.seed + epoch)
         return self._packed[key]
 
-    def _needle(self, n: int, seq_len: int) -> dict[str, torch.Tensor]:
+    def _needle_task(self, n: int, seq_len: int) -> dict[str, torch.Tensor]:
         from megactx.train.needles import NeedleDataset
 
         if self._needles is None:
             self._needles = self.data.needles("train")
         return NeedleDataset(self._needles, seq_len - 1, num_examples=n + 1, seed=self.seed)[n]
 
+    def _needle(self, n: int, seq_len: int) -> dict[str, torch.Tensor]:
+        """Needle row n: one task of seq_len tokens, or k packed tasks (tasks n·k … n·k + k − 1)."""
+        if not self.needle_len or self.needle_len * 2 > seq_len:
+            return self._needle_task(n, seq_len)
+        k = seq_len // self.needle_len
+        lengths = [self.needle_len] * (k - 1) + [seq_len - self.needle_len * (k - 1)]
+        tasks = [self._needle_task(n * k + i, length) for i, length in enumerate(lengths)]
+        no_target = torch.zeros(1, dtype=torch.bool)  # a task's last token does not predict the next task's first
+        masks = [m for t in tasks[:-1] for m in (t["loss_mask"], no_target)] + [tasks[-1]["loss_mask"]]
+        return {"input_ids": torch.cat([t["input_ids"] for t in tasks]), "loss_mask": torch.cat(masks)}
+
     def examples(self, start: int, count: int, seq_len: int) -> dict[str, torch.Tensor]:
         every = round(1 / self.needle_fraction) if self.needle_fraction else 0
         per_epoch = len(self._epoch(seq_len, 0))  # every epoch packs the same documents: same row count
-        rows = []
+        rows, needle = [], []
         for n in range(start, start + count):
-            if every and n % every == 0:
-                rows.append(self._needle(n // every, seq_len))
-            else:
-                rows.append(self._epoch(seq_len, n // per_epoch)[n % per_epoch])
-        return {"input_ids": torch.stack([r["input_ids"] for r in rows]),
-                "loss_mask": torch.stack([r["loss_mask"] for r in rows])}
+            needle.append(bool(every) and n % every == 0)
+            rows.append(self._needle(n // every, seq_len) if needle[-1] else
+                        self._epoch(seq_len, n // per_epoch)[n % per_epoch])
+        batch = {"input_ids": torch.stack([r["input_ids"] for r in rows]),
+                 "loss_mask": torch.stack([r["loss_mask"] for r in rows])}
+        if every:
+            batch["needle_rows"] = torch.tensor(needle)  # the Objective weighs their loss apart
+        return batch
 
 
 def prepare_recipe_data(recipe: Recipe, data_dir: str | Path | None, out_dir: Path
@@ -250,8 +301,8 @@ def prepare_recipe_data(recipe: Recipe, data_dir: str | Path | None, out_dir: Pa
 def stage_source(recipe: Recipe, index: int, data) -> TokenSource:
     if recipe.data == "synthetic":
         return RandomTokens(recipe.model.vocab_size, seed=recipe.seed)
-    fraction = recipe.needle_fraction if recipe.stages[index].kind == "extend" else 0.0
-    return CodeSource(data, seed=recipe.seed, needle_fraction=fraction)
+    stage = recipe.stages[index]
+    return CodeSource(data, seed=recipe.seed, needle_fraction=stage.needle_fraction, needle_len=stage.needle_len)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -285,8 +336,8 @@ def run_stage(recipe: Recipe, index: int, out_dir: str | Path, source: TokenSour
     out_dir = Path(out_dir)
     stage = recipe.stages[index]
     model = stage_model(recipe, index, out_dir)
-    set_trainable(model, stage.kind)
-    objective = Objective(model, loss_config(recipe, stage.kind))
+    set_trainable(model, trained_kind(recipe, index))
+    objective = Objective(model, loss_config(recipe, trained_kind(recipe, index)))
     trainer = Trainer(objective, source, stage.train, out_dir / recipe.stage_name(index), extra_files, ctx,
                       progress, label=f"{recipe.name}/{recipe.stage_name(index)}")
     try:
@@ -335,6 +386,67 @@ def export_model(checkpoint: str | Path, out: str | Path, dtype: torch.dtype = t
     return out
 
 
+MTP_SHARE_KEY = "index_share_for_mtp_iteration"
+
+
+def mtp_prefix(cfg: ModelConfig) -> str:
+    """Checkpoint name prefix of the (first) MTP layer: it follows the decoder layers."""
+    return f"model.layers.{cfg.num_hidden_layers}."
+
+
+def export_mtp_layer(checkpoint: str | Path, out_file: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """The MTP layer of `checkpoint` alone, as one safetensors file (checkpoint tensor names; the
+    config's index_share_for_mtp_iteration in its metadata), to put on another model of the same
+    backbone with `with_mtp_layer`: the MTP ablations differ only there."""
+    from safetensors.torch import save_file
+
+    from megactx.model.weights import checkpoint_tensors
+
+    model = load_model(checkpoint, dtype=torch.float32)
+    prefix = mtp_prefix(model.cfg)
+    kept = Transformer.FP32_PARAMS
+    tensors = {name: (t if name.endswith(kept) else t.to(dtype)).detach().contiguous().cpu()
+               for name, t in checkpoint_tensors(model) if name.startswith(prefix)}
+    if not tensors:
+        raise ValueError(f"{checkpoint} has no MTP layer (num_nextn_predict_layers = 0)")
+    out_file = Path(out_file)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out_file, metadata={MTP_SHARE_KEY: str(model.cfg.index_share_for_mtp_iteration).lower()})
+    return out_file
+
+
+def with_mtp_layer(model_dir: str | Path, mtp_file: str | Path, out_dir: str | Path) -> Path:
+    """A copy of `model_dir` whose MTP layer and MTP sharing come from `mtp_file` (written by
+    `export_mtp_layer` from a model of the same backbone). Every MTP tensor must be replaced by
+    one of the same name and shape."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    cfg = ModelConfig.from_pretrained(model_dir)
+    with safe_open(str(mtp_file), "pt") as f:
+        share = (f.metadata() or {}).get(MTP_SHARE_KEY)
+    layer = load_file(str(mtp_file))
+    if share not in ("true", "false"):
+        raise ValueError(f"{mtp_file} has no {MTP_SHARE_KEY} metadata; write it with export_mtp_layer")
+    shutil.copytree(model_dir, out_dir, dirs_exist_ok=True)
+    replaced = set()
+    for path in sorted(out_dir.glob("*.safetensors")):
+        tensors = load_file(str(path))
+        names = [n for n in tensors if n.startswith(mtp_prefix(cfg))]
+        for name in names:
+            if name not in layer or layer[name].shape != tensors[name].shape:
+                raise ValueError(f"{mtp_file} does not fit {model_dir}: {name} missing or of another shape")
+            tensors[name] = layer[name].to(tensors[name].dtype)
+        if names:
+            save_file(tensors, str(path), metadata={"format": "pt"})
+        replaced.update(names)
+    if replaced != set(layer):
+        raise ValueError(f"{mtp_file} does not fit {model_dir}: {sorted(set(layer) ^ replaced)[:4]} differ")
+    cfg.replace(index_share_for_mtp_iteration=share == "true").save(out_dir)
+    return out_dir
+
+
 def find_max_context(recipe: Recipe, index: int, out_dir: str | Path, lengths: list[int],
                      ctx: DistContext | None = None, budget_s: float | None = None, log=print) -> int:
     """The longest of `lengths` (ascending) at which stage `index` runs one optimizer step of one
@@ -347,8 +459,8 @@ def find_max_context(recipe: Recipe, index: int, out_dir: str | Path, lengths: l
     best = 0
     for seq_len in sorted(lengths):
         model = stage_model(recipe, index, Path(out_dir))
-        set_trainable(model, stage.kind)
-        objective = Objective(model, loss_config(recipe, stage.kind)).to(ctx.device)
+        set_trainable(model, trained_kind(recipe, index))
+        objective = Objective(model, loss_config(recipe, trained_kind(recipe, index))).to(ctx.device)
         ids = RandomTokens(recipe.model.vocab_size).examples(0, 1, seq_len)["input_ids"].to(ctx.device)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -399,24 +511,33 @@ def smoke_recipe() -> Recipe:
 
 
 def tiny_recipe() -> Recipe:
-    """megactx-tiny (the `tiny` preset, ~20M parameters) on the stdlib code corpus, for one H200.
+    """megactx-tiny (the `tiny` preset with top-k 128 and IndexShare 1/4, the pattern FSSSFSSS: two
+    full layers of eight; ~10M parameters) on the stdlib code corpus (~2.6M train tokens), for one
+    H200 (about 12 GPU-minutes for the stages in a row).
 
-    Tokens: dense 1000 × 16 × 2048 ≈ 33M (about ten passes over the ~3M-token train split),
-    warm-up 6.6M, sparse 600 × 8 × 4096 ≈ 20M, extend 100 × 64K ≈ 6.6M (half needle tasks), MTP
-    2 × ~8M. Scale the steps with `megactx train --steps-scale`."""
-    model = ModelConfig.from_pretrained("tiny")
+    Needle tasks are half the rows of the backbone stages, packed several to a row (512 tokens
+    each in `dense` and `warmup`, 1024 in `sparse`, one 64K task a row in `extend`); their answer
+    loss is weighed apart from the code's (LossConfig.needle_weight), so that retrieval is learnt
+    at short lengths, its attention distilled into the indexers, and then extended.
+
+    Tokens: dense 600 × 16 × 2048 ≈ 20M (code ~4 passes over the corpus, ~19K needle tasks),
+    warm-up 3.3M, sparse 300 × 8 × 4096 ≈ 10M, extend 100 × 64K ≈ 6.6M, MTP 200 × 16 × 2048 +
+    300 × 8 × 4096. max_position_embeddings is 1M so that the needle evaluation may run past the
+    trained length. Scale the steps with `megactx train --steps-scale`."""
+    model = ModelConfig.from_pretrained("tiny").replace(index_topk=128, index_topk_pattern="FSSSFSSS",
+                                                        max_position_embeddings=1 << 20)
 
     def train(steps: int, seq_len: int, batch: int, micro: int, lr: float, warmup: int) -> TrainConfig:
         return TrainConfig(steps=steps, seq_len=seq_len, global_batch=batch, micro_batch=micro, lr=lr,
                            warmup_steps=warmup, save_every=100)
 
-    stages = [Stage("dense", train(1000, 2048, 16, 8, 2e-3, 100)),
-              Stage("warmup", train(200, 2048, 16, 8, 1e-3, 20)),
-              Stage("sparse", train(600, 4096, 8, 4, 1e-3, 50)),
-              Stage("extend", train(100, 65536, 1, 1, 3e-4, 10)),
-              Stage("mtp_warmup", train(200, 2048, 16, 8, 1e-3, 20)),
-              Stage("mtp", train(400, 4096, 8, 4, 1e-3, 40))]
-    return Recipe("tiny", model, stages, data="code", needle_fraction=0.5, chunk_bytes=1 << 30)
+    stages = [Stage("dense", train(600, 2048, 16, 16, 2e-3, 60), needle_fraction=0.5, needle_len=512),
+              Stage("warmup", train(100, 2048, 16, 16, 1e-3, 10), needle_fraction=0.5, needle_len=512),
+              Stage("sparse", train(300, 4096, 8, 8, 1e-3, 30), needle_fraction=0.5, needle_len=1024),
+              Stage("extend", train(100, 65536, 1, 1, 3e-4, 10), needle_fraction=0.5),
+              Stage("mtp_warmup", train(200, 2048, 16, 16, 1e-3, 20)),
+              Stage("mtp", train(300, 4096, 8, 8, 1e-3, 30))]
+    return Recipe("tiny", model, stages, data="code", chunk_bytes=1 << 30)
 
 
 RECIPES = {"smoke": smoke_recipe, "tiny": tiny_recipe}

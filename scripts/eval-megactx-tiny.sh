@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The evaluation report of megactx-tiny, from a run of scripts/train-megactx-tiny.sh (GPU).
+#
+#   scripts/eval-megactx-tiny.sh [RUN] [OUT]     # default RUN=runs/tiny, OUT=RUN/eval
+#
+# Environment: SEED (0), CASES (200 needle cases a task and context), CONTEXTS (needle contexts,
+# default 4k,16k,64k,128k,256k: the trained 64K and past it), BPB_CONTEXTS (1k,4k). Longer needle
+# contexts (512k, 1m) take minutes each: run them apart with `megactx eval needles --contexts`.
+#   1. held-out bits per byte at equal budget: IndexShare (sparse), DSA in every layer (sparse-dsa),
+#      dense (sparse-dense), and the shipped model after context extension and MTP training
+#   2. the training-free IndexShare search from the DSA checkpoint, against the uniform pattern
+#   3. needle retrieval of the shipped model up to and past its trained length
+set -euo pipefail
+
+RUN=${1:-runs/tiny}
+OUT=${2:-$RUN/eval}
+SEED=${SEED:-0}
+CASES=${CASES:-200}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+stamp() { echo "[$(date +%H:%M:%S)] $*"; }
+
+stamp "bits per byte"
+"$PY" -m megactx eval bpb --seed "$SEED" --contexts "${BPB_CONTEXTS:-1k,4k}" --data-dir "$RUN/data" --out "$OUT/bpb" \
+  --model "$RUN/sparse/checkpoint" --model "$RUN/sparse-dsa/checkpoint" --model "$RUN/sparse-dense/checkpoint" \
+  --model "$RUN/export/megactx-tiny"
+
+stamp "IndexShare search"
+"$PY" -m megactx indexshare-search --model "$RUN/sparse-dsa/checkpoint" --data-dir "$RUN/data" --seed "$SEED" \
+  --out "$OUT/indexshare-search" --no-progress
+
+stamp "needles"
+"$PY" -m megactx eval needles --model "$RUN/export/megactx-tiny" --seed "$SEED" --cases "$CASES" \
+  --contexts "${CONTEXTS:-4k,16k,64k,128k,256k}" --trained-length 65536 --batch-size 32 \
+  --max-num-batched-tokens 65536 --out "$OUT/needles"
+stamp "done"

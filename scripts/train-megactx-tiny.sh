@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Train megactx-tiny on one GPU with `megactx train --recipe tiny`, and the ablations its
+# evaluation report compares, then export what models/megactx-tiny ships.
+#
+#   scripts/train-megactx-tiny.sh [OUT]          # default OUT=runs/tiny
+#   SCALE=0.01 scripts/train-megactx-tiny.sh runs/probe   # every step of the pipeline, ~1% of the steps
+#
+# Order (each line a `megactx train` call; every stage resumes its own checkpoint, so re-running
+# the script continues an interrupted run):
+#   1. backbone: dense, warmup (indexers only)
+#   2. sparse (IndexShare), and beside it, as concurrent processes on the same GPU, the held-out
+#      loss ablations at equal budget: sparse with an indexer in every layer (--attention dsa)
+#      and with dense attention (--attention dense)
+#   3. extend at CONTEXT tokens (default 65536; "auto" = the longest that fits CONTEXT_BUDGET minutes)
+#   4. MTP (mtp_warmup, mtp), three variants at once: CE without IndexShare/KVShare (the ladder's
+#      baseline), CE with, and the end-to-end TV loss with
+#   5. export: the backbone with the MTP_SHIP variant's MTP layer to OUT/export/megactx-tiny,
+#      each variant's MTP layer alone to OUT/export/mtp-ablations/mtp-<variant>.safetensors (what
+#      `megactx bench spec --mtp-layers` reads for the acceptance-length ladder)
+# A 10M-parameter model leaves most of an H200 idle, so the concurrent processes cost little time;
+# expandable segments keep the processes' caching allocators from fragmenting the shared memory.
+set -euo pipefail
+
+OUT=${1:-runs/tiny}
+SCALE=${SCALE:-1}
+CONTEXT=${CONTEXT:-65536}
+MTP_SHIP=${MTP_SHIP:-tv-share}
+PY=${PYTHON:-python3}
+LOGS="$OUT/logs"
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+mkdir -p "$LOGS"
+
+train() { "$PY" -m megactx train --recipe tiny --out "$OUT" --steps-scale "$SCALE" --no-progress "$@"; }
+stamp() { echo "[$(date +%H:%M:%S)] $*"; }
+
+stamp "data"
+"$PY" -m megactx.train.data "$OUT/data" --snapshot
+
+stamp "backbone: dense, warmup"
+train --stages dense,warmup 2>&1 | tee "$LOGS/backbone.log"
+
+stamp "sparse (+ ablations: dsa, dense)"
+train --stages sparse --attention dsa > "$LOGS/sparse-dsa.log" 2>&1 &
+dsa=$!
+train --stages sparse --attention dense > "$LOGS/sparse-dense.log" 2>&1 &
+dense=$!
+train --stages sparse 2>&1 | tee "$LOGS/sparse.log"
+
+stamp "extend at $CONTEXT"
+extend=(--context "$CONTEXT")
+if [[ $CONTEXT == auto && -n ${CONTEXT_BUDGET:-} ]]; then extend+=(--context-budget "$CONTEXT_BUDGET"); fi
+train --stages extend "${extend[@]}" 2>&1 | tee "$LOGS/extend.log"
+
+stamp "MTP variants"
+declare -A MTP=([ce-noshare]="--mtp-loss ce --no-mtp-share" [ce-share]="--mtp-loss ce --mtp-share"
+                [tv-share]="--mtp-loss tv --mtp-share")
+pids=()
+for variant in "${!MTP[@]}"; do
+  # shellcheck disable=SC2086
+  train --stages mtp_warmup,mtp ${MTP[$variant]} > "$LOGS/mtp-$variant.log" 2>&1 &
+  pids+=($!)
+done
+for pid in "${pids[@]}" "$dsa" "$dense"; do wait "$pid"; done
+
+stamp "export"
+mkdir -p "$OUT/export/mtp-ablations"
+for variant in "${!MTP[@]}"; do
+  "$PY" -c "import sys; from megactx.train.recipe import export_mtp_layer; export_mtp_layer(sys.argv[1], sys.argv[2])" \
+    "$OUT/mtp-$variant/checkpoint" "$OUT/export/mtp-ablations/mtp-$variant.safetensors"
+done
+# shellcheck disable=SC2086
+train --stages mtp ${MTP[$MTP_SHIP]} --export "$OUT/export/megactx-tiny" 2>&1 | tail -1
+stamp "done"
