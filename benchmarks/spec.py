@@ -2,33 +2,45 @@
 acceptance rate per draft position and output tokens/s for γ = 1 … 7 at batch 1 and 32, for each
 rung of the published GLM ablation ladder:
 
-    rung                  engine settings                                         published (γ = 7)
-    baseline              mtp_mode="baseline", draft_acceptance="target-only"     4.56
-    +IndexShare+KVShare   mtp_mode="kvshare",  draft_acceptance="target-only"     5.10
-    +rejection sampling   mtp_mode="kvshare",  draft_acceptance="rejection"       5.29
-    (+end-to-end TV loss  a training change: the checkpoint's, not a setting      5.47)
+    rung                  engine settings                                       MTP layer        published (γ = 7)
+    baseline              mtp_mode="baseline", draft_acceptance="target-only"   mtp-ce-noshare   4.56
+    +IndexShare+KVShare   mtp_mode="kvshare",  draft_acceptance="target-only"   mtp-ce-share     5.10
+    +rejection sampling   mtp_mode="kvshare",  draft_acceptance="rejection"     mtp-ce-share     5.29
+    +end-to-end TV loss   mtp_mode="kvshare",  draft_acceptance="rejection"     mtp-tv-share     5.47
 
 target-only: greedy drafts, each accepted with probability p(x) under the target; rejection: drafts
 sampled from the MTP distribution q, accepted with probability min(1, p/q). Both need sampling
-(--temperature > 0): at temperature 0 every rung accepts greedily and the last two coincide.
+(--temperature > 0): at temperature 0 every rung accepts greedily, and +IndexShare+KVShare and
++rejection sampling coincide.
 
-One model is loaded once; every (rung, γ) gets an engine of its own over it, and so does the
-no-speculation reference (γ = 0). For each batch size B: B prompts of P tokens each generate
-exactly M tokens (ignore_eos) — one untimed warm-up run, then --reps timed runs on prompts of their
-own (the same prompts for every engine). On a GPU the engine without speculation replays CUDA
-graphs for its decode steps, while the speculative engine still runs eagerly. Figures: the
-median run's output tokens/s (B·M / wall), the speed-up over no speculation at the same batch, and
-from the timed runs' drafts: mean acceptance length (tokens a verify emits: accepted drafts + 1)
-and, per draft position j, the fraction of drafts with a token j whose token j was accepted.
+MTP layer: the ladder is also a training ladder. With --mtp-layers DIR every rung runs on the
+checkpoint with the MTP layer its training rung produced, DIR/<MTP layer>.safetensors (CE without
+IndexShare/KVShare, CE with them, end-to-end TV loss with them; scripts/train-megactx-tiny.sh
+writes these with megactx.train.recipe.export_mtp_layer), put on the backbone of --model with
+megactx.train.recipe.with_mtp_layer, so all four rungs are measured. Without it the first three
+rungs run on the checkpoint's own MTP layer and the TV rung, a training change, is shown as its
+published figure only.
 
-Prompts: with --data-dir (a directory prepared by megactx.train.data, with the tokenizer the
-checkpoint was trained with), windows of held-out code starting at line starts; else random token
+The backbone is loaded once, and each MTP-layer variant once (assembled in a temporary directory);
+every (rung, γ) gets an engine of its own over its model, and so does the no-speculation reference
+(γ = 0, the checkpoint itself). For each batch size B: B prompts of P tokens each generate exactly
+M tokens (ignore_eos) — one untimed warm-up run, then --reps timed runs on prompts of their own
+(the same prompts for every engine). On a GPU the engine without speculation replays CUDA graphs
+for its decode steps, while the speculative engine still runs eagerly. Figures: the median run's
+output tokens/s (B·M / wall), the speed-up over no speculation at the same batch, and from the
+timed runs' drafts: mean acceptance length (tokens a verify emits: accepted drafts + 1) and, per
+draft position j, the fraction of drafts with a token j whose token j was accepted.
+
+Prompts, windows of held-out code starting at line starts: with --data-dir (a directory prepared
+by megactx.train.data, with the tokenizer the checkpoint was trained with), of its held-out split;
+else, for a --model holding tokenizer.json, of the held-out files of this interpreter's stdlib
+(megactx.train.corpus) tokenized with that tokenizer; else (the random checkpoint) random token
 ids. Without --model a random tiny checkpoint is used: its acceptance lengths are meaningless (its
 MTP layer drafts noise), and only the engine's mechanics are measured.
 
 Targets (the issue's, on the shipped trained model on a GPU): >= 2x output tokens/s at batch 1 over
-no speculation (the best γ of the last rung); each rung's acceptance length at the largest γ at
-least the one below it.
+no speculation (the best γ of the top measured rung); each measured rung's acceptance length at
+the largest γ at least the one below it.
 
 Default sizes:
 
@@ -38,7 +50,13 @@ Default sizes:
     CPU         1 … 7       1, 32    16   16
     CPU --quick 1, 7        1        8    8
 
-Results: benchmarks/results/spec-<device>.json, .md, .png.
+The whole ladder on the shipped model:
+
+    megactx bench spec --model models/megactx-tiny --mtp-layers models/megactx-tiny/mtp-ablations \
+        --gammas 7 --batches 1
+
+Results: benchmarks/results/spec-<device>.json (the rungs run and their MTP files under "rungs"),
+.md, .png.
 """
 
 from __future__ import annotations
@@ -46,8 +64,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import hashlib
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -73,33 +93,51 @@ from benchmarks.common import (
 from benchmarks.engine import random_prompts
 
 HELP = "MTP speculative decoding: acceptance length and tokens/s for γ = 1..7 per rung of the GLM ablation"
-SCHEMA = "megactx-bench-spec/1"
+SCHEMA = "megactx-bench-spec/2"  # /2 records the rungs run ("rungs"); /1 files ran RUNGS
 RESULTS_DIR = Path(__file__).parent / "results"
 # Targets of the issue (benchmark figures, not tests).
 TARGET_SPEEDUP = 2.0  # output tokens/s with speculation >= 2x without ...
 TARGET_SPEEDUP_BATCH = 1  # ... at this batch
 NO_SPEC = "no speculation"
-# The published ablation's γ (7 MTP steps in training and inference) and its last rung, a training
-# change this benchmark cannot switch on or off.
-PUBLISHED_GAMMA = 7
-TV_LOSS_RUNG, TV_LOSS_PUBLISHED = "+end-to-end TV loss", 5.47
+PUBLISHED_GAMMA = 7  # the published ablation's γ (7 MTP steps in training and inference)
 RANDOM_WEIGHTS_NOTE = "random weights: acceptance lengths are meaningless"
 
 
 @dataclass(frozen=True)
 class Rung:
-    """One rung of the ladder: the engine settings that switch it on, and the published acceptance
-    length at γ = 7 (GLM-5.1 backbone, coding data)."""
+    """One rung of the ladder: the engine settings that switch it on, the MTP layer its training
+    produced, and the published acceptance length at γ = 7 (GLM-5.1 backbone, coding data)."""
 
     name: str
     mtp_mode: str  # LLM(mtp_mode=...)
     draft_acceptance: str  # LLM(draft_acceptance=...)
     published: float
+    # stem of the MTP-layer file in --mtp-layers (export_mtp_layer's output); None: the checkpoint's own
+    mtp_layer: str | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Rung:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
 
 
+# The ladder on one checkpoint's MTP layer (what runs without --mtp-layers) ...
 RUNGS = (Rung("baseline", "baseline", "target-only", 4.56),
          Rung("+IndexShare+KVShare", "kvshare", "target-only", 5.10),
          Rung("+rejection sampling", "kvshare", "rejection", 5.29))
+# ... and its last rung, a training change: measurable only on an MTP layer trained with it
+TV_LOSS_RUNG = Rung("+end-to-end TV loss", "kvshare", "rejection", 5.47, mtp_layer="mtp-tv-share")
+# With --mtp-layers: every rung on the MTP layer of its training rung (scripts/train-megactx-tiny.sh)
+MTP_LAYER_RUNGS = (dataclasses.replace(RUNGS[0], mtp_layer="mtp-ce-noshare"),
+                   dataclasses.replace(RUNGS[1], mtp_layer="mtp-ce-share"),
+                   dataclasses.replace(RUNGS[2], mtp_layer="mtp-ce-share"),
+                   TV_LOSS_RUNG)
+MTP_LAYER_SUFFIX = ".safetensors"
+
+
+def rungs_of(results: dict[str, Any]) -> tuple[Rung, ...]:
+    """The rungs a run measured, bottom to top (files without a rung list ran RUNGS)."""
+    return tuple(Rung.from_dict(d) for d in results["rungs"]) if results.get("rungs") else RUNGS
 
 
 # ------------------------------------------------------------------------------ settings
@@ -118,6 +156,11 @@ class Settings:
     seed: int = 0
     threads: int | None = None  # torch intra-op threads (None: torch's default; a CPU run uses 1)
     data_dir: str | None = None
+    mtp_layers: str | None = None  # directory of MTP-layer files: run MTP_LAYER_RUNGS instead of RUNGS
+
+    @property
+    def rungs(self) -> tuple[Rung, ...]:
+        return MTP_LAYER_RUNGS if self.mtp_layers else RUNGS
 
     @classmethod
     def defaults(cls, device: str, quick: bool) -> Settings:
@@ -226,6 +269,22 @@ def load_held_out(data_dir: str | Path, model_dir: Path, vocab_size: int):
     return data.split("held_out")
 
 
+def stdlib_held_out(model_dir: Path, vocab_size: int):
+    """(SplitTokens, Python version): the held-out files of this interpreter's stdlib
+    (megactx.train.corpus, the corpus megactx trains on) tokenized with the checkpoint's
+    tokenizer.json. ValueError when that tokenizer does not fit the model's vocabulary."""
+    from megactx.train.data import TokenizedCorpus
+    from megactx.train.evaluate import held_out_corpus
+    from megactx.train.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    if tok.get_vocab_size() > vocab_size:
+        raise ValueError(f"--model {model_dir}'s tokenizer.json has {tok.get_vocab_size()} tokens, more than its "
+                         f"vocabulary of {vocab_size}")
+    corpus = held_out_corpus()  # only the held-out files: their ids are those of the whole corpus
+    return TokenizedCorpus.build(corpus, tok).split("held_out"), corpus.python_version
+
+
 def held_out_prompts(split, n: int, length: int, seed: int) -> list[list[int]]:
     """n windows of `length` token ids of a SplitTokens, each starting at a line start, spread
     evenly over the split and shifted by `seed` line starts. ValueError when the split is short."""
@@ -236,6 +295,25 @@ def held_out_prompts(split, n: int, length: int, seed: int) -> list[list[int]]:
     step = len(starts) / n
     picks = [int(starts[(int((i + 0.5) * step) + seed) % len(starts)]) for i in range(n)]
     return [split.tokens[p:p + length].astype("int64").tolist() for p in picks]
+
+
+# ------------------------------------------------------------------------------ MTP layers
+def mtp_layer_files(mtp_dir: str | Path, rungs: Sequence[Rung]) -> dict[str, Path]:
+    """{stem: file} of the rungs' MTP layers in `mtp_dir`. ValueError naming every missing file
+    and how it is made."""
+    stems = dict.fromkeys(r.mtp_layer for r in rungs if r.mtp_layer)  # ordered, each once
+    files = {stem: Path(mtp_dir) / f"{stem}{MTP_LAYER_SUFFIX}" for stem in stems}
+    missing = [f"{f.name} ({', '.join(r.name for r in rungs if r.mtp_layer == stem)})"
+               for stem, f in files.items() if not f.is_file()]
+    if missing:
+        raise ValueError(f"--mtp-layers {mtp_dir} lacks {'; '.join(missing)}: scripts/train-megactx-tiny.sh writes "
+                         "these MTP layers (its OUT/export/), or write one from a checkpoint with "
+                         "megactx.train.recipe.export_mtp_layer(checkpoint, out_file)")
+    return files
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 # ------------------------------------------------------------------------------ the run
@@ -252,12 +330,16 @@ def _sync(device: str) -> None:
 
 class SpecBench:
     """Every engine in turn (no speculation first, then each rung and γ), each over every batch;
-    `after_part` gets the results after each engine (to write them as they come)."""
+    `after_part` gets the results after each engine (to write them as they come).
+
+    With s.mtp_layers, each rung's MTP layer is put on the checkpoint here (with_mtp_layer, into a
+    temporary directory removed when `run` ends), so a file that is missing or does not fit the
+    backbone is a ValueError before anything is measured; `run` loads each variant once."""
 
     def __init__(self, path: Path, random_weights: bool, s: Settings, progress: Progress | None = None):
         from megactx.model.weights import load_model
 
-        self.path, self.s = path, s
+        self.path, self.s, self.rungs = path, s, s.rungs
         self.progress = progress or Progress()
         self.progress.log(f"loading {path} on {s.device}")
         self.model = load_model(path, device=s.device, dtype=s.dtype)
@@ -269,15 +351,57 @@ class SpecBench:
         if self.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"--prompt-len + --output-len + γ = {self.max_model_len} exceeds the model's context "
                              f"{cfg.max_position_embeddings}")
+        self.variants: dict[str, Path] = {}  # MTP-layer stem -> the checkpoint with that MTP layer
+        self._variant: tuple[str, Any] | None = None  # the variant loaded now: (stem, Transformer)
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        files = mtp_layer_files(s.mtp_layers, self.rungs) if s.mtp_layers else {}
+        if files:
+            self._assemble(files)
+        self.held_out, prompts = None, "random token ids"
+        if s.data_dir:
+            self.held_out, prompts = load_held_out(s.data_dir, path, cfg.vocab_size), "held-out code"
+        elif not random_weights and (path / "tokenizer.json").is_file():
+            self.held_out, version = stdlib_held_out(path, cfg.vocab_size)
+            prompts = f"held-out code of the Python {version} stdlib, tokenized with the checkpoint's tokenizer"
+        self._prompts: dict[tuple[int, int], list[list[int]]] = {}
         self.results: dict[str, Any] = {
             "schema": SCHEMA, "machine": machine_info(s.device), "settings": s.to_dict(),
             "model": {"path": str(path), "random_weights": random_weights, "model_type": cfg.model_type,
                       "layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
                       "params": sum(p.numel() for p in self.model.parameters())},
-            "prompts": "held-out code" if s.data_dir else "random token ids",
+            "prompts": prompts,
+            # the rungs run, each with its MTP file (None: the checkpoint's own MTP layer)
+            "rungs": [dataclasses.asdict(r) | {"mtp_file": str(files[r.mtp_layer]) if r.mtp_layer else None,
+                                               "mtp_sha256": _sha256(files[r.mtp_layer]) if r.mtp_layer else None}
+                      for r in self.rungs],
             "runs": [], "skipped": []}
-        self._prompts: dict[tuple[int, int], list[list[int]]] = {}
-        self.held_out = load_held_out(s.data_dir, path, cfg.vocab_size) if s.data_dir else None
+
+    def _assemble(self, files: dict[str, Path]) -> None:
+        from megactx.train.recipe import with_mtp_layer
+
+        self._tmp = tempfile.TemporaryDirectory(prefix="megactx-bench-spec-")
+        try:
+            for stem, file in files.items():
+                self.progress.log(f"putting {file} on {self.path}")
+                self.variants[stem] = with_mtp_layer(self.path, file, Path(self._tmp.name) / stem)
+        except Exception:
+            self._tmp.cleanup()
+            raise
+
+    def model_for(self, rung: Rung | None):
+        """The Transformer an engine of `rung` runs (None: no speculation): the checkpoint, or the
+        variant with the rung's MTP layer, loaded on first use and kept until another is needed."""
+        from megactx.model.weights import load_model
+
+        if rung is None or rung.mtp_layer is None:
+            return self.model
+        if self._variant is None or self._variant[0] != rung.mtp_layer:
+            self._variant = None
+            _free(self.s.device)
+            self.progress.log(f"loading the {rung.mtp_layer} variant")
+            self._variant = (rung.mtp_layer, load_model(self.variants[rung.mtp_layer], device=self.s.device,
+                                                        dtype=self.s.dtype))
+        return self._variant[1]
 
     def prompts(self, batch: int, run: int) -> list[list[int]]:
         """The prompts of run `run` (0 = the warm-up) at `batch`: the same for every engine."""
@@ -298,7 +422,7 @@ class SpecBench:
         num_blocks = max(self.s.batches) * (-(-self.max_model_len // BLOCK_SIZE) + 1)
         spec = dict(num_speculative_tokens=gamma, mtp_mode=rung.mtp_mode,
                     draft_acceptance=rung.draft_acceptance) if rung else {}
-        return LLM(self.model, device=self.s.device, dtype=self.s.dtype, max_model_len=self.max_model_len,
+        return LLM(self.model_for(rung), device=self.s.device, dtype=self.s.dtype, max_model_len=self.max_model_len,
                    max_num_seqs=max(self.s.batches), num_blocks=num_blocks, seed=self.s.seed, **spec)
 
     def measure(self, llm, gamma: int, rung: Rung | None, batch: int) -> SpecFigures:
@@ -332,7 +456,7 @@ class SpecBench:
             torch.set_num_threads(self.s.threads)
         try:
             self.results["ceilings"] = measure_machine_ceilings(self.s.device)  # beside the engines, same run
-            engines = [(0, None)] + [(g, r) for r in RUNGS for g in self.s.gammas]
+            engines = [(0, None)] + [(g, r) for r in self.rungs for g in self.s.gammas]
             for gamma, rung in engines:
                 name = f"{rung.name} γ={gamma}" if rung else NO_SPEC
                 try:
@@ -353,6 +477,9 @@ class SpecBench:
                     after_part(self.results)
         finally:
             torch.set_num_threads(threads)
+            self._variant = None
+            if self._tmp is not None:
+                self._tmp.cleanup()
         return self.results
 
 
@@ -377,15 +504,16 @@ def _target(target: str, figure: str, needs: str, passed: bool | None, note: str
 
 
 def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """The issue's targets. passed is None where the run cannot decide: not run, a CPU run, or
-    random weights (the figures are still shown)."""
+    """The issue's targets over the rungs the run measured (rungs_of): the speed-up of the top one,
+    and each rung against the one below. passed is None where the run cannot decide: not run, a
+    CPU run, or random weights (the figures are still shown)."""
     on_gpu = results["machine"]["device"] == "cuda"
     random_weights = results["model"].get("random_weights", False)
     undecided = "random weights" if random_weights else ("a GPU target; CPU run" if not on_gpu else "")
-    s = results["settings"]
+    s, rungs = results["settings"], rungs_of(results)
     rows = []
 
-    b, top = TARGET_SPEEDUP_BATCH, RUNGS[-1].name
+    b, top = TARGET_SPEEDUP_BATCH, rungs[-1].name
     t = f"{top} >= {TARGET_SPEEDUP:.0f}x output tokens/s over no speculation at batch {b} (best γ)"
     ratios = [(speedup(results, f), f) for f in _runs(results) if f.rung == top and f.batch == b]
     ratios = [(r, f) for r, f in ratios if r is not None]
@@ -398,7 +526,7 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                             f"batch {b} not in this run" if b not in s["batches"] else "not run"))
 
     gamma, batch = max(s["gammas"]), min(s["batches"])
-    for lower, upper in zip(RUNGS, RUNGS[1:]):
+    for lower, upper in zip(rungs, rungs[1:]):
         t = f"acceptance length {upper.name} >= {lower.name} (γ = {gamma}, batch {batch})"
         lo, hi = _find(results, lower.name, gamma, batch), _find(results, upper.name, gamma, batch)
         if lo and hi and lo.mean_acceptance_length and hi.mean_acceptance_length:
@@ -439,17 +567,23 @@ def render_markdown(results: dict[str, Any], targets: list[dict[str, Any]]) -> s
 
     if results.get("ceilings"):
         out.append(ceilings_markdown(Ceilings.from_dict(results["ceilings"])) + "\n")
+    rungs = rungs_of(results)
     out.append("## Ladder against the published GLM ablation\n")
     gamma = max(s["gammas"])
     rows = []
-    for rung in RUNGS:
+    for rung in rungs:
         cells = [rung.name, f"{rung.published:.2f}" if gamma == PUBLISHED_GAMMA else f"{rung.published:.2f} (γ = 7)"]
         for b in s["batches"]:
             f = _find(results, rung.name, gamma, b)
             cells.append(fmt_num(f.mean_acceptance_length) if f else "–")
-        rows.append(cells)
-    rows.append([TV_LOSS_RUNG, f"{TV_LOSS_PUBLISHED:.2f}"] + ["(training: the checkpoint's)"] * len(s["batches"]))
-    out.append(md_table(["rung", "published", *[f"ours, γ = {gamma}, batch {b}" for b in s["batches"]]], rows))
+        rows.append([*cells, f"`{rung.mtp_layer}{MTP_LAYER_SUFFIX}`" if rung.mtp_layer else "the checkpoint's"])
+    if TV_LOSS_RUNG.name not in {r.name for r in rungs}:
+        rows.append([TV_LOSS_RUNG.name, f"{TV_LOSS_RUNG.published:.2f}", *["–"] * len(s["batches"]),
+                     "a training change: not measured without --mtp-layers"])
+    out.append(md_table(["rung", "published", *[f"ours, γ = {gamma}, batch {b}" for b in s["batches"]],
+                         "MTP layer"], rows))
+    if s.get("mtp_layers"):
+        out.append(f"\nMTP layers from `{s['mtp_layers']}`, each on the backbone of `{model['path']}`.\n")
 
     for b in s["batches"]:
         base = _find(results, NO_SPEC, 0, b)
@@ -459,17 +593,17 @@ def render_markdown(results: dict[str, Any], targets: list[dict[str, Any]]) -> s
         rows = []
         for g in s["gammas"]:
             cells: list[Any] = [g]
-            for rung in RUNGS:
+            for rung in rungs:
                 f = _find(results, rung.name, g, b)
                 r = f and speedup(results, f)
                 cells += [fmt_num(f.mean_acceptance_length), fmt_num(f.tokens_per_s),
                           f"{r:.2f}x" if r else "–"] if f else ["–"] * 3
             rows.append(cells)
-        heads = [f"{rung.name} {what}" for rung in RUNGS for what in ("acc. len", "tokens/s", "speed-up")]
+        heads = [f"{rung.name} {what}" for rung in rungs for what in ("acc. len", "tokens/s", "speed-up")]
         out.append(md_table(["γ", *heads], rows))
 
     out.append(f"\n## Acceptance rate per draft position (γ = {gamma})\n")
-    rows = [[rung.name, b, _rates(f)] for rung in RUNGS for b in s["batches"]
+    rows = [[rung.name, b, _rates(f)] for rung in rungs for b in s["batches"]
             if (f := _find(results, rung.name, gamma, b))]
     out.append(md_table(["rung", "batch", "positions 1 … γ"], rows))
 
@@ -487,8 +621,8 @@ def render_markdown(results: dict[str, Any], targets: list[dict[str, Any]]) -> s
 
 # ------------------------------------------------------------------------------ PNG
 def plot(results: dict[str, Any], path: Path) -> bool:
-    """Two panels: acceptance length by γ for each rung (one line style per batch, the published
-    ladder at γ = 7 as stars); speed-up over no speculation by γ. False without matplotlib."""
+    """Two panels: acceptance length by γ for each measured rung (one line style per batch, the
+    published ladder at γ = 7 as stars); speed-up over no speculation by γ. False without matplotlib."""
     try:
         import matplotlib
 
@@ -496,10 +630,10 @@ def plot(results: dict[str, Any], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    s = results["settings"]
+    s, rungs = results["settings"], rungs_of(results)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.5))
     styles = ["-", "--", ":", "-."]
-    for k, rung in enumerate(RUNGS):
+    for k, rung in enumerate(rungs):
         color = f"C{k}"
         for j, b in enumerate(s["batches"]):
             found = [f for g in s["gammas"] if (f := _find(results, rung.name, g, b))]
@@ -512,8 +646,9 @@ def plot(results: dict[str, Any], path: Path) -> bool:
                 ax2.plot(*zip(*spd), "o" + styles[j % len(styles)], color=color, label=label)
         ax1.plot([PUBLISHED_GAMMA], [rung.published], "*", color=color, markersize=13,
                  label=f"{rung.name}, published")
-    ax1.plot([PUBLISHED_GAMMA], [TV_LOSS_PUBLISHED], "*", color="C3", markersize=13,
-             label=f"{TV_LOSS_RUNG}, published")
+    if TV_LOSS_RUNG.name not in {r.name for r in rungs}:
+        ax1.plot([PUBLISHED_GAMMA], [TV_LOSS_RUNG.published], "*", color=f"C{len(rungs)}", markersize=13,
+                 label=f"{TV_LOSS_RUNG.name}, published")
     gammas = s["gammas"]
     ax1.plot(gammas, [g + 1 for g in gammas], color="grey", lw=0.8, alpha=0.6, label="γ + 1 (every draft accepted)")
     ax1.set(xlabel="γ (draft tokens a step)", ylabel="mean acceptance length (tokens a verify)",
@@ -550,7 +685,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"checkpoint directory with an MTP layer (default: a cached random tiny checkpoint; "
                         f"{RANDOM_WEIGHTS_NOTE})")
     p.add_argument("--data-dir", default=None,
-                   help="a megactx.train.data directory: prompts are held-out code (default: random token ids)")
+                   help="a megactx.train.data directory: prompts are its held-out code (default: held-out stdlib "
+                        "code in the checkpoint's tokenizer; random token ids for the random checkpoint)")
+    p.add_argument("--mtp-layers", default=None, metavar="DIR",
+                   help="directory of MTP-layer files (mtp-ce-noshare, mtp-ce-share, mtp-tv-share .safetensors, "
+                        "from scripts/train-megactx-tiny.sh): every rung runs on the MTP layer its training rung "
+                        "produced, and the +end-to-end TV loss rung is measured too (default: three rungs on the "
+                        "checkpoint's own MTP layer)")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None,
                    help="cuda or cpu (default: cuda when torch sees a GPU); sizes default by device, see above")
     p.add_argument("--quick", action="store_true", help="γ in {1, 7}, batch 1, fewer tokens")
@@ -575,12 +716,15 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device cuda, but torch {torch.__version__} sees no CUDA GPU; use --device cpu")
     s = Settings.defaults(device, args.quick)
-    for name in ("gammas", "batches", "prompt_len", "output_len", "reps", "threads", "data_dir"):
+    for name in ("gammas", "batches", "prompt_len", "output_len", "reps", "threads", "data_dir", "mtp_layers"):
         if getattr(args, name) is not None:
             setattr(s, name, getattr(args, name))
     s.temperature, s.seed = args.temperature, args.seed
     if s.data_dir is not None and not Path(s.data_dir).is_dir():
         raise ValueError(f"--data-dir {s.data_dir} is not a directory; prepare one with python -m megactx.train.data")
+    if s.mtp_layers is not None and not Path(s.mtp_layers).is_dir():
+        raise ValueError(f"--mtp-layers {s.mtp_layers} is not a directory of MTP-layer files; "
+                         "scripts/train-megactx-tiny.sh writes them (megactx.train.recipe.export_mtp_layer)")
     s.check()
     return s
 

@@ -1,19 +1,28 @@
 """`megactx bench spec`: a smoke run of every rung on a tiny random MTP checkpoint (the draft counts
-must obey the acceptance bookkeeping), summing per-request draft statistics, and the targets and
-reports rendered from made-up figures."""
+must obey the acceptance bookkeeping), the four-rung ladder on MTP-layer files (each rung's engine
+runs its own file's MTP layer), summing per-request draft statistics, prompts of held-out code, and
+the targets and reports rendered from made-up figures, old result files included."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+import megactx
 from benchmarks.spec import (
+    MTP_LAYER_RUNGS,
     NO_SPEC,
     RUNGS,
     TARGET_SPEEDUP,
+    TV_LOSS_RUNG,
+    Settings,
+    SpecBench,
     SpecFigures,
     evaluate_targets,
     held_out_prompts,
@@ -24,10 +33,16 @@ from benchmarks.spec import (
     write_reports,
 )
 from megactx.cli import BENCH_SUITES, main
+from megactx.config import ModelConfig
 from megactx.engine.spec_decode import SpecDecodeStats
+from megactx.model import build_model, save_pretrained
+from megactx.model.weights import checkpoint_tensors, load_model
 from megactx.testing import make_random_checkpoint
 from megactx.train.corpus import Corpus, SourceFile
 from megactx.train.data import CORPUS_SNAPSHOT, prepare_data
+from megactx.train.evaluate import held_out_corpus
+from megactx.train.recipe import export_mtp_layer, mtp_prefix
+from megactx.train.tokenizer import load_tokenizer
 
 GAMMAS, BATCHES, PROMPT_LEN, OUTPUT_LEN = (1, 3), (1, 2), 8, 6
 DATA_VOCAB = 300  # the held-out prompts' tokenizer: at most the checkpoint's 512
@@ -44,11 +59,17 @@ def ckpt(tmp_path_factory):
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def _check_bookkeeping(results: dict, gammas, batches, output_len: int) -> None:
+def _args(model: Path, out: Path, *extra: str, gammas=GAMMAS, batches=BATCHES) -> list[str]:
+    return ["bench", "spec", "--device", "cpu", "--model", str(model), "--gammas", ",".join(map(str, gammas)),
+            "--batches", ",".join(map(str, batches)), "--prompt-len", str(PROMPT_LEN), "--output-len",
+            str(OUTPUT_LEN), "--out", str(out), *extra]
+
+
+def _check_bookkeeping(results: dict, gammas, batches, output_len: int, rungs=RUNGS) -> None:
     """Every engine ran at every batch, and its draft counts obey the acceptance bookkeeping."""
     assert results["skipped"] == []
     runs = {(d["rung"], d["gamma"], d["batch"]): SpecFigures.from_dict(d) for d in results["runs"]}
-    want = {(NO_SPEC, 0, b) for b in batches} | {(r.name, g, b) for r in RUNGS for g in gammas for b in batches}
+    want = {(NO_SPEC, 0, b) for b in batches} | {(r.name, g, b) for r in rungs for g in gammas for b in batches}
     assert set(runs) == want
     for (rung, gamma, batch), f in runs.items():
         assert f.output_tokens == batch * output_len and f.tokens_per_s == pytest.approx(f.output_tokens / f.wall_s)
@@ -71,18 +92,20 @@ def _check_bookkeeping(results: dict, gammas, batches, output_len: int) -> None:
 # ------------------------------------------------------------------------------ smoke run, CPU
 def test_smoke_run_measures_every_rung_and_writes_the_reports(ckpt, tmp_path, capsys):
     assert "spec" in BENCH_SUITES
-    code = main(["bench", "spec", "--device", "cpu", "--model", str(ckpt), "--gammas", ",".join(map(str, GAMMAS)),
-                 "--batches", ",".join(map(str, BATCHES)), "--prompt-len", str(PROMPT_LEN), "--output-len",
-                 str(OUTPUT_LEN), "--out", str(tmp_path)])
-    assert code == 0
+    assert main(_args(ckpt, tmp_path)) == 0
     written = capsys.readouterr().out.split()
     assert [p.rsplit("/", 1)[1] for p in written] == ["spec-cpu.json", "spec-cpu.md", "spec-cpu.png"]
     results = json.loads((tmp_path / "spec-cpu.json").read_text())
-    assert results["prompts"] == "random token ids"
+    # a --model with tokenizer.json and no --data-dir: held-out stdlib code in its tokenizer
+    assert results["prompts"].startswith("held-out code of the Python") and "stdlib" in results["prompts"]
+    assert [(r["name"], r["mtp_layer"], r["mtp_file"]) for r in results["rungs"]] == [(r.name, None, None)
+                                                                                      for r in RUNGS]
     _check_bookkeeping(results, GAMMAS, BATCHES, OUTPUT_LEN)
     md = (tmp_path / "spec-cpu.md").read_text()
     assert "4.56" in md and "5.10" in md and "5.29" in md and "5.47" in md  # the published ladder beside ours
+    assert "not measured without --mtp-layers" in md  # the TV rung: its published figure only
     assert "## Batch 2" in md and "CPU run" in md
+    assert len(evaluate_targets(results)) == len(RUNGS)  # the speed-up, and each rung over the one below
 
 
 @pytest.mark.gpu
@@ -103,6 +126,89 @@ def test_bad_settings_are_refused_naming_the_flag(ckpt, tmp_path, capsys):
         assert code == 2
         assert flag in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+# ------------------------------------------------------------------------------ MTP-layer files, CPU
+# the files scripts/train-megactx-tiny.sh writes: (seed of the model exported, its MTP sharing)
+MTP_FILES = {"mtp-ce-noshare": (11, False), "mtp-ce-share": (12, True), "mtp-tv-share": (13, True),
+             "mtp-cetv-share": (14, True)}
+
+
+@pytest.fixture(scope="module")
+def mtp_layers(ckpt, tmp_path_factory):
+    """A directory of MTP-layer files for ckpt's backbone, each exported (export_mtp_layer) from a
+    model of ckpt's architecture built with a seed of its own, so every file's weights differ."""
+    root = tmp_path_factory.mktemp("mtp")
+    cfg = ModelConfig.from_pretrained(ckpt)
+    for stem, (seed, share) in MTP_FILES.items():
+        model = build_model(cfg.replace(index_share_for_mtp_iteration=share), seed=seed)
+        save_pretrained(model, root / "models" / stem, dtype=torch.bfloat16)
+        export_mtp_layer(root / "models" / stem, root / "layers" / f"{stem}.safetensors")
+    return root / "layers"
+
+
+def _mtp_weights(model) -> dict[str, torch.Tensor]:
+    """The MTP layer of a Transformer, by checkpoint name, in fp32."""
+    prefix = mtp_prefix(model.cfg)
+    return {name: t.detach().float() for name, t in checkpoint_tensors(model) if name.startswith(prefix)}
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_mtp_layers_measure_four_rungs_each_on_the_mtp_layer_of_its_training_rung(ckpt, mtp_layers, tmp_path,
+                                                                                   monkeypatch):
+    engines = []  # every engine built, in order: (γ, mtp_mode, draft_acceptance, its model's MTP layer, sharing)
+    real_llm = megactx.LLM
+
+    def recording_llm(model, **kwargs):
+        engines.append((kwargs.get("num_speculative_tokens", 0), kwargs.get("mtp_mode"),
+                        kwargs.get("draft_acceptance"), _mtp_weights(model), model.cfg.index_share_for_mtp_iteration))
+        return real_llm(model, **kwargs)
+
+    monkeypatch.setattr(megactx, "LLM", recording_llm)  # SpecBench.engine imports it when called
+    assert main(_args(ckpt, tmp_path, "--mtp-layers", str(mtp_layers), gammas=(2,), batches=(1,))) == 0
+    results = json.loads((tmp_path / "spec-cpu.json").read_text())
+    _check_bookkeeping(results, (2,), (1,), OUTPUT_LEN, rungs=MTP_LAYER_RUNGS)
+    stems = ["mtp-ce-noshare", "mtp-ce-share", "mtp-ce-share", "mtp-tv-share"]
+    assert [(r["name"], r["mtp_file"]) for r in results["rungs"]] == [
+        (rung.name, str(mtp_layers / f"{stem}.safetensors")) for rung, stem in zip(MTP_LAYER_RUNGS, stems)]
+    assert results["rungs"][-1]["name"] == TV_LOSS_RUNG.name and results["rungs"][-1]["published"] == 5.47
+
+    # the no-speculation engine runs the checkpoint; each rung's engine its own file's MTP layer
+    files = {stem: {n: t.float() for n, t in load_file(mtp_layers / f"{stem}.safetensors").items()}
+             for stem in MTP_FILES}
+    own = _mtp_weights(load_model(ckpt))
+    assert not any(_same(own, files[a]) or (a != b and _same(files[a], files[b])) for a in files for b in files)
+    want = [(0, None, None, own)] + [(2, r.mtp_mode, r.draft_acceptance, files[s])
+                                     for r, s in zip(MTP_LAYER_RUNGS, stems)]
+    assert len(engines) == len(want)
+    for (gamma, mode, acceptance, weights, _), (g, m, a, w) in zip(engines, want):
+        assert (gamma, mode, acceptance) == (g, m, a) and _same(weights, w)
+    assert [share for *_, share in engines[1:]] == [False, True, True, True]  # the files' config flag too
+
+    targets = evaluate_targets(results)  # the speed-up of the TV rung, and three rung-over-rung pairs
+    assert len(targets) == 4 and targets[0]["target"].startswith(TV_LOSS_RUNG.name)
+    assert targets[-1]["target"].startswith(f"acceptance length {TV_LOSS_RUNG.name} >= +rejection sampling")
+    md = (tmp_path / "spec-cpu.md").read_text()
+    assert "`mtp-tv-share.safetensors`" in md and "not measured" not in md
+    assert f"{TV_LOSS_RUNG.name} acc. len" in md  # its own columns in the batch table
+
+
+def test_a_missing_mtp_layer_file_is_refused_naming_it(ckpt, mtp_layers, tmp_path, capsys):
+    partial = tmp_path / "layers"
+    partial.mkdir()
+    for stem in ("mtp-ce-noshare", "mtp-ce-share"):
+        shutil.copy(mtp_layers / f"{stem}.safetensors", partial)
+    out = tmp_path / "out"
+    assert main(_args(ckpt, out, "--mtp-layers", str(partial))) == 2
+    err = capsys.readouterr().err
+    assert f"mtp-tv-share.safetensors ({TV_LOSS_RUNG.name})" in err and "mtp-ce-share.safetensors" not in err
+    assert "scripts/train-megactx-tiny.sh" in err and "export_mtp_layer" in err
+    assert main(_args(ckpt, out, "--mtp-layers", str(tmp_path / "nowhere"))) == 2
+    assert "--mtp-layers" in capsys.readouterr().err
+    assert not out.exists()
 
 
 # ------------------------------------------------------------------------------ draft statistics
@@ -134,9 +240,12 @@ def _figures(rung: str, gamma: int, batch: int, tokens_per_s: float, acceptance_
                        per_position).to_dict()
 
 
-def _results(ladder: tuple[float, ...], speed: float, device: str = "cuda", random_weights: bool = False) -> dict:
+def _results(ladder: tuple[float, ...], speed: float, device: str = "cuda", random_weights: bool = False,
+             rungs=None) -> dict:
+    """Made-up results of the rungs `rungs` (None: a file written before rungs were recorded, which
+    ran RUNGS) whose acceptance lengths at γ = 7 are `ladder`."""
     runs = [_figures(NO_SPEC, 0, b, 100.0) for b in (1, 32)]
-    for rung, length in zip(RUNGS, ladder):
+    for rung, length in zip(rungs or RUNGS, ladder):
         for gamma in (1, 7):
             for b in (1, 32):
                 # γ = 7 is the fastest γ of the top rung; lower rungs are slower by their acceptance lengths
@@ -145,12 +254,16 @@ def _results(ladder: tuple[float, ...], speed: float, device: str = "cuda", rand
                                      length if gamma == 7 else min(length, 2.0)))
     machine = {"device": device, "gpu": "NVIDIA H200" if device == "cuda" else None, "date": "2026-01-01",
                "torch": "2.11", "triton": "3.6", "cuda": "12.8" if device == "cuda" else None}
-    return {"machine": machine, "prompts": "held-out code",
-            "settings": {"gammas": [1, 7], "batches": [1, 32], "prompt_len": 128, "output_len": 64,
-                         "temperature": 1.0, "reps": 1, "dtype": "bfloat16"},
-            "model": {"path": "trained", "random_weights": random_weights, "model_type": "glm_moe_dsa", "layers": 8,
-                      "hidden_size": 256, "vocab_size": 4096},
-            "runs": runs, "skipped": []}
+    results = {"machine": machine, "prompts": "held-out code",
+               "settings": {"gammas": [1, 7], "batches": [1, 32], "prompt_len": 128, "output_len": 64,
+                            "temperature": 1.0, "reps": 1, "dtype": "bfloat16"},
+               "model": {"path": "trained", "random_weights": random_weights, "model_type": "glm_moe_dsa",
+                         "layers": 8, "hidden_size": 256, "vocab_size": 4096},
+               "runs": runs, "skipped": []}
+    if rungs:
+        results["settings"]["mtp_layers"] = "layers"
+        results["rungs"] = [dataclasses.asdict(r) | {"mtp_file": f"layers/{r.mtp_layer}.safetensors"} for r in rungs]
+    return results
 
 
 def test_targets_pass_on_a_rising_ladder_and_a_fast_enough_top_rung():
@@ -177,13 +290,29 @@ def test_random_weights_and_cpu_runs_decide_no_target_but_show_the_figures():
                                             evaluate_targets(results))
 
 
-def test_reports_show_the_published_ladder_beside_ours_and_rewrite_from_json(tmp_path, capsys):
+def test_targets_cover_the_tv_rung_when_four_rungs_were_measured():
+    results = _results((4.56, 5.10, 5.29, 5.47), speed=TARGET_SPEEDUP + 0.5, rungs=MTP_LAYER_RUNGS)
+    targets = evaluate_targets(results)
+    assert [t["passed"] for t in targets] == [True] * 4
+    assert targets[0]["target"].startswith(TV_LOSS_RUNG.name)  # the speed-up of the top measured rung
+    assert TV_LOSS_RUNG.name in targets[3]["target"] and targets[3]["figure"] == "5.47 vs 5.29"
+    falling = _results((4.56, 5.10, 5.29, 5.20), speed=TARGET_SPEEDUP + 0.5, rungs=MTP_LAYER_RUNGS)
+    assert [t["passed"] for t in evaluate_targets(falling)] == [True, True, True, False]
+    md = render_markdown(results, targets)
+    assert f"| {TV_LOSS_RUNG.name} | 5.47 | 5.47 | 5.47 | `mtp-tv-share.safetensors` |" in md
+    assert "| baseline | 4.56 | 4.56 | 4.56 | `mtp-ce-noshare.safetensors` |" in md
+    assert "not measured" not in md and "MTP layers from `layers`" in md
+
+
+def test_reports_show_the_published_ladder_beside_ours_and_rewrite_an_old_json(tmp_path, capsys):
     results = _results((4.61, 5.02, 5.33), speed=2.5)
+    assert "rungs" not in results  # written before the rungs run were recorded: the three of RUNGS
     paths = write_reports(results, tmp_path)
     assert [p.name for p in paths] == ["spec-nvidia-h200.json", "spec-nvidia-h200.md", "spec-nvidia-h200.png"]
     md = paths[1].read_text()
     for rung, ours in zip(RUNGS, (4.61, 5.02, 5.33)):
-        assert f"| {rung.name} | {rung.published:.2f} | {ours:.3g} | {ours:.3g} |" in md
+        assert f"| {rung.name} | {rung.published:.2f} | {ours:.3g} | {ours:.3g} | the checkpoint's |" in md
+    assert f"| {TV_LOSS_RUNG.name} | 5.47 | – | – | a training change: not measured without --mtp-layers |" in md
     saved = json.loads(paths[0].read_text())
     assert [t["passed"] for t in saved["targets"]] == [True, True, True]
     paths[1].unlink()
@@ -231,6 +360,19 @@ def test_held_out_prompts_need_the_checkpoints_tokenizer(data_and_model, ckpt):
     data, _ = data_and_model
     with pytest.raises(ValueError, match="another tokenizer"):
         load_held_out(data.directory, ckpt, vocab_size=512)
+
+
+def test_prompts_are_held_out_stdlib_code_unless_the_weights_are_random(ckpt):
+    s = Settings.defaults("cpu", quick=True)
+    s.check()
+    bench = SpecBench(ckpt, False, s)  # ckpt holds tokenizer.json; no --data-dir
+    assert bench.results["prompts"].startswith("held-out code of the Python") and "stdlib" in bench.results["prompts"]
+    tok, held_out = load_tokenizer(ckpt), "".join(f.text for f in held_out_corpus().files)
+    prompts = bench.prompts(3, 1)
+    assert len(prompts) == 3 and all(len(p) == s.prompt_len for p in prompts)
+    assert all(tok.decode(p) in held_out for p in prompts)
+    assert bench.prompts(3, 1) == prompts and bench.prompts(3, 2) != prompts  # same for every engine, fresh a run
+    assert SpecBench(ckpt, True, s).results["prompts"] == "random token ids"
 
 
 def test_a_run_on_held_out_code_says_so(data_and_model, tmp_path):
