@@ -513,7 +513,7 @@ def smoke_recipe() -> Recipe:
 def tiny_recipe() -> Recipe:
     """megactx-tiny (the `tiny` preset with top-k 128 and IndexShare 1/4, the pattern FSSSFSSS: two
     full layers of eight; ~10M parameters) on the stdlib code corpus (~2.6M train tokens), for one
-    H200 (about 12 GPU-minutes for the stages in a row).
+    H200 (about 10 GPU-minutes for the stages in a row).
 
     Needle tasks are half the rows of the backbone stages, packed several to a row (512 tokens
     each in `dense` and `warmup`, 1024 in `sparse`, one 64K task a row in `extend`); their answer
@@ -521,8 +521,8 @@ def tiny_recipe() -> Recipe:
     at short lengths, its attention distilled into the indexers, and then extended.
 
     Tokens: dense 600 × 16 × 2048 ≈ 20M (code ~4 passes over the corpus, ~19K needle tasks),
-    warm-up 3.3M, sparse 300 × 8 × 4096 ≈ 10M, extend 100 × 64K ≈ 6.6M, MTP 200 × 16 × 2048 +
-    300 × 8 × 4096. max_position_embeddings is 1M so that the needle evaluation may run past the
+    warm-up 3.3M, sparse 300 × 8 × 4096 ≈ 10M, extend 100 × 64K ≈ 6.6M, MTP 100 × 16 × 2048 +
+    150 × 8 × 4096 ≈ 8M (the backbone frozen; the pipeline trains three MTP variants at once). max_position_embeddings is 1M so that the needle evaluation may run past the
     trained length. Scale the steps with `megactx train --steps-scale`."""
     model = ModelConfig.from_pretrained("tiny").replace(index_topk=128, index_topk_pattern="FSSSFSSS",
                                                         max_position_embeddings=1 << 20)
@@ -535,8 +535,8 @@ def tiny_recipe() -> Recipe:
               Stage("warmup", train(100, 2048, 16, 16, 1e-3, 10), needle_fraction=0.5, needle_len=512),
               Stage("sparse", train(300, 4096, 8, 8, 1e-3, 30), needle_fraction=0.5, needle_len=1024),
               Stage("extend", train(100, 65536, 1, 1, 3e-4, 10), needle_fraction=0.5),
-              Stage("mtp_warmup", train(200, 2048, 16, 16, 1e-3, 20)),
-              Stage("mtp", train(300, 4096, 8, 8, 1e-3, 30))]
+              Stage("mtp_warmup", train(100, 2048, 16, 16, 1e-3, 10)),
+              Stage("mtp", train(150, 4096, 8, 8, 1e-3, 15))]
     return Recipe("tiny", model, stages, data="code", chunk_bytes=1 << 30)
 
 
