@@ -125,7 +125,19 @@ def test_eval_bpb_command_prints_and_writes_the_reports(checkpoint, data, tmp_pa
     assert len(results) == 1 and results[0]["context"] == SEQ_LEN and results[0]["rows"] == 4
     assert math.isfinite(results[0]["bits_per_byte"]) and results[0]["bits_per_byte"] > 0
     assert f"{results[0]['bits_per_byte']:.6f}" in capsys.readouterr().out
-    assert "bits/byte" in (out / "bpb.md").read_text()
+    assert "bits/byte" in (out / "bpb.md").read_text() and (out / "bpb.png").stat().st_size > 0
+
+
+def test_bpb_report_compares_every_model_with_the_first_at_its_context():
+    from megactx.train.evaluate import bpb_markdown, model_label
+
+    rows = [{"model": "runs/t/sparse/checkpoint", "context": 1024, "bits_per_byte": 2.0, "nats_per_token": 1.0,
+             "tokens": 1, "bytes": 1},
+            {"model": "runs/t/sparse-dense/checkpoint", "context": 1024, "bits_per_byte": 1.9, "nats_per_token": 1.0,
+             "tokens": 1, "bytes": 1}]
+    text = bpb_markdown(rows)
+    assert "| +0.00% |" in text and "| -5.00% |" in text
+    assert model_label(rows[1]["model"]) == "sparse-dense" and model_label("models/megactx-tiny") == "megactx-tiny"
 
 
 # -- needles --------------------------------------------------------------------------------------

@@ -185,13 +185,51 @@ def evaluate_bpb(model_dir: str | Path, contexts: Sequence[int], seed: int = 0, 
     return results
 
 
+def model_label(model: str | Path) -> str:
+    """A short name for a checkpoint path: its directory, or the stage above a `checkpoint` dir."""
+    path = Path(model)
+    return path.parent.name if path.name == "checkpoint" and path.parent.name else path.name
+
+
 def bpb_markdown(results: Sequence[dict[str, Any]]) -> str:
-    lines = ["# Held-out bits per byte", "", "| model | context | bits/byte | nats/token | tokens | bytes |",
-             "|---|---:|---:|---:|---:|---:|"]
+    """One row per (model, context); "vs first" compares with the first model at the same context."""
+    first = {}
     for r in results:
-        lines.append(f"| {r['model']} | {context_label(r['context'])} | {r['bits_per_byte']:.4f} | "
+        first.setdefault(r["context"], r["bits_per_byte"])
+    lines = ["# Held-out bits per byte", "", "| model | context | bits/byte | vs first | nats/token | tokens | bytes |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        rel = r["bits_per_byte"] / first[r["context"]] - 1
+        lines.append(f"| {r['model']} | {context_label(r['context'])} | {r['bits_per_byte']:.4f} | {rel:+.2%} | "
                      f"{r['nats_per_token']:.4f} | {r['tokens']} | {r['bytes']} |")
     return "\n".join(lines) + "\n"
+
+
+def bpb_plot(results: Sequence[dict[str, Any]], path: str | Path) -> None:
+    """Bits per byte, one group of bars per context, one bar per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in results))
+    contexts = sorted({r["context"] for r in results})
+    value = {(r["model"], r["context"]): r["bits_per_byte"] for r in results}
+    width = 0.8 / len(models)
+    fig, ax = plt.subplots(figsize=(2 + 1.2 * len(models) * len(contexts), 4))
+    for i, model in enumerate(models):
+        xs = [c + (i - (len(models) - 1) / 2) * width for c in range(len(contexts))]
+        ys = [value.get((model, c), float("nan")) for c in contexts]
+        bars = ax.bar(xs, ys, width, label=model_label(model))
+        ax.bar_label(bars, fmt="%.3f", fontsize=7)
+    ax.set_xticks(range(len(contexts)), [context_label(c) for c in contexts])
+    low = min(value.values())
+    ax.set(xlabel="context (tokens)", ylabel="held-out bits per byte", ylim=(low * 0.9, max(value.values()) * 1.03),
+           title="held-out bits per byte (lower is better)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 # ------------------------------------------------------------------------------ needles
@@ -502,6 +540,7 @@ def run_bpb(args: argparse.Namespace) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bpb.json").write_text(json.dumps(results, indent=1))
         (args.out / "bpb.md").write_text(bpb_markdown(results))
+        bpb_plot(results, args.out / "bpb.png")
     return 0
 
 
