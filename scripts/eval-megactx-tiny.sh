@@ -8,7 +8,8 @@
 # contexts (512k, 1m) take minutes each: run them apart with `megactx eval needles --contexts`.
 #   1. held-out bits per byte at equal budget: IndexShare (sparse), DSA in every layer (sparse-dsa),
 #      dense (sparse-dense), and the shipped model after context extension and MTP training
-#   2. the training-free IndexShare search from the DSA checkpoint, against the uniform pattern
+#   2. the training-free IndexShare search from the DSA checkpoint down to 2 full layers, against
+#      the shipped uniform 1-in-4 pattern FSSSFSSS
 #   3. needle retrieval of the shipped model up to and past its trained length
 set -euo pipefail
 
@@ -27,7 +28,7 @@ stamp "bits per byte"
 
 stamp "IndexShare search"
 "$PY" -m megactx indexshare-search --model "$RUN/sparse-dsa/checkpoint" --data-dir "$RUN/data" --seed "$SEED" \
-  --out "$OUT/indexshare-search" --no-progress
+  --num-full 2 --compare FSSSFSSS --out "$OUT/indexshare-search" --no-progress
 
 stamp "needles"
 "$PY" -m megactx eval needles --model "$RUN/export/megactx-tiny" --seed "$SEED" --cases "$CASES" \

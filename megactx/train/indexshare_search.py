@@ -165,13 +165,14 @@ def default_num_full(num_layers: int) -> int:
 
 def indexshare_search(model: Transformer, sequences: torch.Tensor, num_full: int | None = None,
                       loss_budget: float | None = None, batch_size: int = 1, progress: bool = True,
-                      log: Callable[[str], object] = lambda s: None) -> SearchResult:
+                      log: Callable[[str], object] = lambda s: None, compare: str | None = None) -> SearchResult:
     """Greedy training-free IndexShare search on `model` (its cfg is restored on return).
 
     sequences: [N, S + 1] int64 calibration tokens; S should exceed cfg.index_topk, else every
     pattern selects every key and all losses tie. num_full: stop at this many full layers (default
     `default_num_full`). loss_budget: stop before a flip whose loss exceeds the starting loss by
-    more than this many nats a token (None: no budget)."""
+    more than this many nats a token (None: no budget). compare: the hand-made pattern whose loss
+    the report shows beside the search's (default: GLM-5.2's uniform rule for this depth)."""
     cfg = model.cfg
     n = cfg.num_hidden_layers
     start = pattern_of(cfg)
@@ -191,7 +192,10 @@ def indexshare_search(model: Transformer, sequences: torch.Tensor, num_full: int
         return calibration_loss(model, sequences, batch_size)
 
     try:
-        result = SearchResult(start, loss_of(start), uniform_pattern(n), None, num_full, loss_budget)
+        if compare is not None and (len(compare) != n or set(compare) - {FULL, SHARED} or compare[0] != FULL):
+            raise ValueError(f"compare: the pattern to compare with must be {n} letters of {FULL}/{SHARED} "
+                             f"starting with {FULL}, got {compare!r}")
+        result = SearchResult(start, loss_of(start), compare or uniform_pattern(n), None, num_full, loss_budget)
         uniform = result.uniform_pattern
         if all(model.model.layers[i].self_attn.indexer is not None for i, c in enumerate(uniform) if c == FULL):
             result.uniform_loss = loss_of(uniform)
@@ -272,6 +276,8 @@ def add_indexshare_search_parser(subparsers: Any) -> None:
                    help="output directory: the checkpoint with the found pattern, and the search report")
     p.add_argument("--num-full", type=int, default=None,
                    help="stop at this many full layers (default: GLM-5.2's 1-in-4 rule, e.g. 21 of 78)")
+    p.add_argument("--compare", default=None, metavar="PATTERN",
+                   help="hand-made pattern to compare with, e.g. FSSSFSSS (default: GLM-5.2's uniform rule)")
     p.add_argument("--loss-budget", type=float, default=None,
                    help="stop before a flip that raises the loss more than this many nats above the start")
     p.add_argument("--data-dir", type=Path, default=None,
@@ -330,7 +336,8 @@ def run_indexshare_search(args: argparse.Namespace) -> int:
         print(f"calibration: {sequences.shape[0]} sequences of {sequences.shape[1] - 1} tokens "
               f"({'held-out corpus' if args.data_dir else 'random tokens'})", file=sys.stderr)
         result = indexshare_search(model, sequences, args.num_full, args.loss_budget, args.batch_size,
-                                   progress=not args.no_progress, log=lambda s: tqdm.write(s, file=sys.stderr))
+                                   progress=not args.no_progress, log=lambda s: tqdm.write(s, file=sys.stderr),
+                                   compare=args.compare)
         write_checkpoint(model, result.pattern, args.out, args.model)
     except (ValueError, FileNotFoundError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
