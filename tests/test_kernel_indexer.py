@@ -15,6 +15,7 @@ from megactx.kernels.indexer import (
     PROGRAMS_PER_SM,
     choose_num_splits,
     indexer_logits,
+    indexer_logits_contiguous,
     indexer_topk_chunked,
     launch_config,
 )
@@ -191,6 +192,163 @@ def test_logits_refuse_bad_inputs():
                         (dict(max_registers=300), "max_registers")]:
         with pytest.raises(ValueError, match=name):
             indexer_logits(q8(64), w, cache, table, one * 0, one, 64, **knobs)
+
+
+# ------------------------------------------------------------------------------ contiguous keys
+CONTIG_LENS = (1, 63, 64, 65, 130)
+
+
+def _packed_keys(keys, gen):
+    """The sequences' keys (list of [L_b, DI]) packed into one k [N, DI] fp32, in shuffled order at
+    odd offsets behind runs of garbage keys (x100, no query may see them); the last sequence placed
+    ends k, so its tiles run past the end of k. -> (k, key_start [B] int32)."""
+    DI = keys[0].shape[1]
+    parts, starts, at = [], [0] * len(keys), 0
+    for b in torch.randperm(len(keys), generator=gen).tolist():
+        gap = 2 * int(torch.randint(0, 5, (1,), generator=gen)) + 1
+        parts += [100 * torch.randn(gap, DI, generator=gen), keys[b].cpu()]
+        starts[b] = at + gap
+        at += gap + len(keys[b])
+    return torch.cat(parts).to(DEVICE), torch.tensor(starts, dtype=torch.int32, device=DEVICE)
+
+
+def _fp8_keys(k):
+    """k [N, DI] fp32 -> (e4m3 [N, DI], k_scale [N] fp32): one scale a key, as write_kv stores them."""
+    k8, k_scale = quantize_rows(k)
+    return k8, k_scale.contiguous()
+
+
+def test_contiguous_varlen_causal_prefill_matches_paged_and_twin():
+    """The main use: a causal prefill of a packed variable-length batch (lengths around the 64-key
+    tile edges, odd offsets in k; whole sequences, and the last chunk of the 130-key one). The
+    contiguous kernel gives the paged kernel's logits on the same keys written into shuffled pages
+    (same tiles, same arithmetic: bit for bit in the interpreter), and its twin the paged twin's."""
+    HI, DI = 4, 64
+    gen = torch.Generator().manual_seed(21)
+    cache, block_table, keys = _paged_keys(CONTIG_LENS, DI, gen)
+    k, key_start = _packed_keys(keys, gen)
+    k8, k_scale = _fp8_keys(k)
+    seq_idx, key_len = _rows(CONTIG_LENS, prefill=[0, 1, 3], decode={2: 2, 4: 20})
+    q, w = _fp8_queries(len(seq_idx), HI, DI, gen)
+    max_keys = 140  # past every key_len: those columns must be -inf
+    want = ref.indexer_logits(q, w, cache, block_table, seq_idx, key_len, max_keys)
+    twin = ref.indexer_logits_contiguous(q, w, k8, k_scale, seq_idx, key_start, key_len, max_keys)
+    torch.testing.assert_close(twin, want, rtol=1e-6, atol=0)
+    got = indexer_logits_contiguous(q, w, k8, k_scale, seq_idx, key_start, key_len, max_keys)
+    assert got.shape == (len(seq_idx), max_keys) and got.dtype == torch.float32
+    _assert_close_to_twin(got, twin)
+    paged = indexer_logits(q, w, cache, block_table, seq_idx, key_len, max_keys)
+    if DEVICE == "cpu":
+        assert torch.equal(got, paged)
+    else:
+        _assert_close_to_twin(got, paged)
+
+
+# Every key-tile path of the contiguous mode: rows by TMA (the interpreter emulates the 2D
+# descriptor, bounds included), a gather, tiles wider than a page, lone rows, key splits, two dots.
+CONTIG_TILINGS = {
+    "default": {}, "gather": dict(tma=False), "bm1-splits3": dict(block_m=1, num_splits=3),
+    "gather-bn128-dots-splits2": dict(tma=False, block_n=128, block_m=8, num_dots=2, num_splits=2),
+}
+
+
+@pytest.mark.parametrize("knobs", CONTIG_TILINGS.values(), ids=CONTIG_TILINGS.keys())
+def test_contiguous_matches_paged_any_tiling_and_row_order(knobs):
+    """Interleaved rows of all sequences (speculative-verify runs, lone decode rows, rows with
+    key_len 0), against the paged kernel on the same keys under the same launch, and the twin."""
+    HI, DI = 16, 64
+    gen = torch.Generator().manual_seed(len(str(knobs)))
+    cache, block_table, keys = _paged_keys(CONTIG_LENS, DI, gen)
+    k, key_start = _packed_keys(keys, gen)
+    k8, k_scale = _fp8_keys(k)
+    seq_idx, key_len = _rows(CONTIG_LENS, prefill=[], decode={0: 3, 1: 2, 2: 1, 3: 4, 4: 6})  # 2 rows see no key
+    order = torch.randperm(len(seq_idx), generator=gen).to(DEVICE)
+    order[:8] = order[:8].sort().values
+    seq_idx, key_len = seq_idx[order], key_len[order]
+    q, w = _fp8_queries(len(seq_idx), HI, DI, gen)
+    got = indexer_logits_contiguous(q, w, k8, k_scale, seq_idx, key_start, key_len, 200, **knobs)
+    _assert_close_to_twin(got, ref.indexer_logits_contiguous(q, w, k8, k_scale, seq_idx, key_start, key_len, 200))
+    paged = indexer_logits(q, w, cache, block_table, seq_idx, key_len, 200, **knobs)
+    if DEVICE == "cpu":
+        assert torch.equal(got, paged)
+    else:
+        _assert_close_to_twin(got, paged)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_contiguous_exact_keys_match_twin(dtype):
+    """Float keys without scales; fp32 exact up to the summation order. A key_start whose sequence
+    ends k exercises the gather's mask at the end of k."""
+    HI, DI = 4, 64
+    gen = torch.Generator().manual_seed(12)
+    keys = [torch.randn(L, DI, generator=gen) for L in CONTIG_LENS]
+    k, key_start = _packed_keys(keys, gen)
+    k = k.to(dtype)
+    seq_idx, key_len = _rows(CONTIG_LENS, prefill=[3], decode={0: 2, 1: 1, 2: 3, 4: 5})
+    q = torch.randn(len(seq_idx), HI, DI, generator=gen).to(DEVICE, dtype)
+    w = (torch.randn(len(seq_idx), HI, generator=gen) * (HI * DI) ** -0.5).to(DEVICE)
+    got = indexer_logits_contiguous(q, w, k, None, seq_idx, key_start, key_len, 131)
+    want = ref.indexer_logits_contiguous(q, w, k, None, seq_idx, key_start, key_len, 131)
+    _assert_close_to_twin(got, want)
+    if dtype == torch.float32:
+        visible = torch.isfinite(want)
+        torch.testing.assert_close(got[visible], want[visible], rtol=1e-5, atol=1e-6)
+
+
+def test_contiguous_rows_never_read_past_the_end_of_k():
+    """A key_len that runs past the end of k (a broken contract) reads zero keys there on both the
+    TMA and the gather path, instead of out-of-bounds memory: logits 0, no NaN."""
+    HI, DI = 4, 64
+    gen = torch.Generator().manual_seed(5)
+    k8, k_scale = _fp8_keys(torch.randn(70, DI, generator=gen).to(DEVICE))
+    key_start = torch.tensor([40], dtype=torch.int32, device=DEVICE)  # 30 keys from row 40 on
+    seq_idx = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    key_len = torch.tensor([30, 100], dtype=torch.int32, device=DEVICE)
+    q, w = _fp8_queries(2, HI, DI, gen)
+    want = ref.indexer_logits_contiguous(q, w, k8, k_scale, seq_idx, key_start, key_len.clamp_max(30), 100)
+    for knobs in ({}, dict(tma=False)):
+        got = indexer_logits_contiguous(q, w, k8, k_scale, seq_idx, key_start, key_len, 100, **knobs)
+        _assert_close_to_twin(got[:, :30], want[:, :30])
+        assert (got[1, 30:] == 0).all()
+
+
+def test_contiguous_refuses_bad_inputs():
+    k8 = torch.zeros(10, 64, device=DEVICE).to(FP8)
+    scale = torch.ones(10, device=DEVICE)
+    one = torch.ones(1, dtype=torch.int32, device=DEVICE)
+    w = torch.zeros(1, 4, device=DEVICE)
+    q8 = torch.zeros(1, 4, 64, device=DEVICE).to(FP8)
+    qf = torch.zeros(1, 4, 64, device=DEVICE)
+    bad = [
+        ((qf, w, k8, scale, one * 0, one * 0, one, 8), "float8_e4m3fn"),
+        ((q8, w, k8.float(), None, one * 0, one * 0, one, 8), "exact keys"),
+        ((q8, w, k8[:, :32], scale, one * 0, one * 0, one, 8), r"\[N, 64\]"),
+        ((q8, w, torch.zeros(64, 10, device=DEVICE).to(FP8).t(), scale, one * 0, one * 0, one, 8), "last dim"),
+        ((q8, w, k8, None, one * 0, one * 0, one, 8), "k_scale"),
+        ((q8, w, k8, scale[:5], one * 0, one * 0, one, 8), "k_scale"),
+        ((qf, w, k8.float(), scale, one * 0, one * 0, one, 8), "k_scale must be None"),
+        ((q8, w, k8, scale, one * 0, one.float(), one, 8), "key_start"),
+        ((q8, w, k8, scale, one * 0, one * 0, one.repeat(2), 8), "key_len"),
+        ((q8, w[:, :2], k8, scale, one * 0, one * 0, one, 8), "head weights"),
+    ]
+    for args, match in bad:
+        with pytest.raises(ValueError, match=match):
+            indexer_logits_contiguous(*args)
+    with pytest.raises(ValueError, match="block_m"):
+        indexer_logits_contiguous(q8, w, k8, scale, one * 0, one * 0, one, 8, block_m=3)
+    with pytest.raises(ValueError, match="16-byte aligned"):  # rows 72 bytes apart
+        indexer_logits_contiguous(q8, w, torch.zeros(5, 72, device=DEVICE).to(FP8)[:, :64], scale[:5], one * 0,
+                                  one * 0, one, 8, tma=True)
+    with pytest.raises(TypeError):
+        indexer_logits_contiguous(q8, w, k8, scale, one * 0, one * 0, one, 8, blockm=4)
+
+
+def test_contiguous_no_keys_gives_all_inf():
+    q8, w = _fp8_queries(3, 4, 64, torch.Generator().manual_seed(0))
+    zeros = torch.zeros(3, dtype=torch.int32, device=DEVICE)
+    empty = torch.zeros(0, 64, device=DEVICE).to(FP8)
+    got = indexer_logits_contiguous(q8, w, empty, torch.zeros(0, device=DEVICE), zeros, zeros[:1], zeros, 5)
+    assert got.shape == (3, 5) and (got == float("-inf")).all()
 
 
 # ------------------------------------------------------------------------------ launch config
@@ -371,3 +529,29 @@ def test_glm_geometry_causal_chunk_matches_twin():
     q, w = _fp8_queries(C, HI, DI, gen)
     got = indexer_logits(q, w, cache, block_table, seq_idx, key_len, L)
     _assert_close_to_twin(got, _twin_by_rows(q, w, cache, block_table, seq_idx, key_len, L))
+
+
+GPU_CONTIG_VARIANTS = {"default": {}, "gather": dict(tma=False), "splits5": dict(num_splits=5),
+                       "paged-depth": dict(num_stages=3, lone_stages=4)}  # 3 / 4 tiles in flight, as paged
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs", GPU_CONTIG_VARIANTS.values(), ids=GPU_CONTIG_VARIANTS.keys())
+def test_glm_geometry_contiguous_matches_paged(knobs):
+    """GLM-5.2's indexer (32 heads x 128, FP8) on the compiled path (keys by a 2D TMA descriptor at
+    odd row offsets on Hopper): a packed prefill batch — the last 512 rows of an 8K causal prefill,
+    a 64-row chunk of a 3K one, whole short sequences — against the paged kernel on the same keys in
+    shuffled pages, and against the twin."""
+    HI, DI, L = 32, 128, 8192
+    gen = torch.Generator().manual_seed(52)
+    lens = (L, 3001, 130, 65, 1)
+    cache, block_table, keys = _paged_keys(lens, DI, gen)
+    k, key_start = _packed_keys(keys, gen)
+    k8, k_scale = _fp8_keys(k)
+    seq_idx, key_len = _rows(lens, prefill=[2, 3, 4], decode={0: 512, 1: 64})
+    q, w = _fp8_queries(len(seq_idx), HI, DI, gen)
+    got = indexer_logits_contiguous(q, w, k8, k_scale, seq_idx, key_start, key_len, L, **knobs)
+    _assert_close_to_twin(got, indexer_logits(q, w, cache, block_table, seq_idx, key_len, L, **knobs))
+    twin = torch.cat([ref.indexer_logits_contiguous(q[i : i + 16], w[i : i + 16], k8, k_scale, seq_idx[i : i + 16],
+                                                    key_start, key_len[i : i + 16], L) for i in range(0, len(q), 16)])
+    _assert_close_to_twin(got, twin)

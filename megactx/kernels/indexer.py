@@ -1,4 +1,5 @@
-"""Lightning-indexer logits over the paged indexer cache (Triton, FP8 or exact), and a chunked top-k on top.
+"""Lightning-indexer logits over the paged indexer cache or contiguous keys (Triton, FP8 or exact), and a chunked
+top-k on top.
 
 One kernel serves prefill (a variable-length batch, each query with its own causal key range) and
 decode / speculative verify (a few query tokens a sequence over a long paged cache): every query
@@ -16,6 +17,14 @@ x w, Σ over heads (inside a thread, then lane shuffles), x k_scale, and a [BLOC
 lone row (plain decode, a sequence boundary) takes a narrow k x qᵀ [DI, HI] dot instead. Whatever
 a program's groups did not reach (the upper triangle, rows past their key_len) it fills with -inf
 at the end, so every output element is written exactly once.
+
+Contiguous keys (`indexer_logits_contiguous`): the same kernel compiled with CONTIGUOUS reads the
+keys of a packed variable-length batch in place, k [N, DI] (e4m3 with k_scale [N] fp32, or exact),
+sequence b's keys at rows key_start[b] + n of k — prefill over keys just computed, before (or
+without) the paged cache. Only the key tile changes: its rows are key_start[b] + n0 .. + 63 at any
+offset, by TMA a [64, DI] box of a 2D descriptor over k (its bounds read rows past the end of k as
+zeros), else a gather masked at the end of k; scales come from their own pointer. Rows, groups,
+splits, the -inf fill, the output and the knobs are the paged path's.
 
 Why this shape: an FP8 dot of 64 x 128 x 128 takes about as long on the tensor cores as its
 epilogue (ReLU, x w, the head sum: ~2.5 CUDA-core instructions an accumulator element) takes to
@@ -155,14 +164,14 @@ def choose_num_splits(row_blocks: int, tiles: int, sms: int) -> int:
     return best
 
 
-def kernel_constants(launch: LogitsLaunch, HI: int, DI: int, dtype: torch.dtype) -> dict:
+def kernel_constants(launch: LogitsLaunch, HI: int, DI: int, dtype: torch.dtype, contiguous: bool = False) -> dict:
     """The compile-time arguments of `_indexer_logits_kernel` for a launch (shared with the tuner's
-    static compile). dtype: the queries'."""
+    static compile). dtype: the queries'; contiguous: keys from one [N, DI] tensor, not pages."""
     fp8 = dtype == FP8
     return dict(HI=HI, DI=DI, HI_PAD=_padded_heads(HI), PAGE=BLOCK_SIZE, BLOCK_M=launch.block_m, DOTS=launch.num_dots,
                 BLOCK_N=launch.block_n, FILL_N=max(launch.block_n, FILL_ELEMENTS // launch.block_m),
                 STAGES=launch.num_stages, LONE_STAGES=launch.lone_stages, FP8=fp8,
-                DOT_F32=not fp8 and (INTERPRET or dtype == torch.float32), TMA=launch.tma)
+                DOT_F32=not fp8 and (INTERPRET or dtype == torch.float32), TMA=launch.tma, CONTIGUOUS=contiguous)
 
 
 def has_tma(device: torch.device) -> bool:
@@ -238,27 +247,42 @@ def _store_rows(out_ptr, logits, first_row, klen, member, n, key_end, stride_ot,
 
 
 @triton.jit
-def _key_tile(k_ptr, k_desc, ks_ptr, bt_row, n0, kmax, max_blocks, stride_kb, stride_sb,
-              DI: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, TMA: tl.constexpr):
-    """Keys n0 .. n0 + BLOCK_N - 1 of a sequence (block-table row bt_row) -> (keys [BLOCK_N, DI] in
-    the cache's dtype, e4m3 for FP8; their fp32 scales [BLOCK_N], 1 for an exact cache). TMA: the
-    tile is one page (BLOCK_N = PAGE), copied whole by the tensor-memory accelerator, so keys at or
-    past kmax hold whatever the page holds (callers mask them); otherwise a gather by address that
-    reads them as 0. Their scales read 0 either way."""
+def _key_tile(k_ptr, k_desc, ks_ptr, seq_keys, n0, kmax, key_bound, stride_kb, stride_sb,
+              DI: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, TMA: tl.constexpr,
+              CONTIGUOUS: tl.constexpr):
+    """Keys n0 .. n0 + BLOCK_N - 1 of a sequence -> (keys [BLOCK_N, DI] in the cache's dtype, e4m3
+    for FP8; their fp32 scales [BLOCK_N], 1 for exact keys). Paged: seq_keys is the sequence's
+    block-table row, key_bound its length (max_blocks). CONTIGUOUS: seq_keys is the sequence's first
+    row of k [N, DI] (int32), key_bound = N. TMA: the tile is BLOCK_N = PAGE rows copied whole by
+    the tensor-memory accelerator (paged: one page; contiguous: rows seq_keys + n0 ..., at any
+    offset), so keys at or past kmax hold whatever the page or the next sequence holds (callers
+    mask them) and rows past the end of k read 0 (the descriptor's bounds); otherwise a gather by
+    address that reads them as 0. Their scales read 0 either way."""
     n = n0 + tl.arange(0, BLOCK_N)
     key_ok = n < kmax
-    if TMA:
-        page = tl.load(bt_row + n0 // PAGE, mask=n0 // PAGE < max_blocks, other=0)
-        k = k_desc.load([page, 0, 0]).reshape(BLOCK_N, DI)
-        phys = page.to(tl.int64)
+    if CONTIGUOUS:
+        row = seq_keys.to(tl.int64) + n
+        key_ok = key_ok & (row < key_bound)  # never past the end of k, whatever key_len claims
+        if TMA:
+            k = k_desc.load([seq_keys + n0, 0])  # [BLOCK_N, DI]; TMA coordinates are int32
+        else:
+            d = tl.arange(0, DI)
+            k = tl.load(k_ptr + row[:, None] * stride_kb + d[None, :], mask=key_ok[:, None], other=0.0)
+        scale_at = row  # k_scale [N], a key's scale at its row
     else:
-        phys = tl.load(bt_row + n // PAGE, mask=key_ok & (n // PAGE < max_blocks), other=0).to(tl.int64)
-        d = tl.arange(0, DI)
-        k = tl.load(k_ptr + phys[:, None] * stride_kb + (n % PAGE)[:, None] * DI + d[None, :],
-                    mask=key_ok[:, None], other=0.0)
-    if FP8:
+        if TMA:
+            page = tl.load(seq_keys + n0 // PAGE, mask=n0 // PAGE < key_bound, other=0)
+            k = k_desc.load([page, 0, 0]).reshape(BLOCK_N, DI)
+            phys = page.to(tl.int64)
+        else:
+            phys = tl.load(seq_keys + n // PAGE, mask=key_ok & (n // PAGE < key_bound), other=0).to(tl.int64)
+            d = tl.arange(0, DI)
+            k = tl.load(k_ptr + phys[:, None] * stride_kb + (n % PAGE)[:, None] * DI + d[None, :],
+                        mask=key_ok[:, None], other=0.0)
         # A page: 64 · DI e4m3 bytes, then the 64 keys' fp32 scales.
-        k_scale = tl.load(ks_ptr + phys * stride_sb + (PAGE * DI // 4) + n % PAGE, mask=key_ok, other=0.0)
+        scale_at = phys * stride_sb + (PAGE * DI // 4) + n % PAGE
+    if FP8:
+        k_scale = tl.load(ks_ptr + scale_at, mask=key_ok, other=0.0)
     else:
         k_scale = tl.full((BLOCK_N,), 1.0, tl.float32)
     return k, k_scale
@@ -266,11 +290,11 @@ def _key_tile(k_ptr, k_desc, ks_ptr, bt_row, n0, kmax, max_blocks, stride_kb, st
 
 @triton.jit
 def _rows_over_keys(q_ptr, w_ptr, k_ptr, k_desc, ks_ptr, bt_ptr, seq_ptr, klen_ptr, out_ptr,
-                    first_row, s, key_lo, key_end, T, max_blocks,
+                    first_row, s, key_lo, key_end, T, key_bound,
                     stride_qt, stride_qh, stride_wt, stride_kb, stride_sb, stride_bt, stride_ot,
                     HI: tl.constexpr, DI: tl.constexpr, HI_PAD: tl.constexpr, PAGE: tl.constexpr,
                     ROWS: tl.constexpr, DOTS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
-                    FP8: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr):
+                    FP8: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr, CONTIGUOUS: tl.constexpr):
     """Logits of the rows first_row .. first_row + ROWS - 1 that belong to sequence s and see a key
     at or past key_lo (a multiple of BLOCK_N), over the key tiles from key_lo up to the last key any
     of them sees below key_end; each row gets -inf past its key_len in those tiles. Other rows of
@@ -288,13 +312,18 @@ def _rows_over_keys(q_ptr, w_ptr, k_ptr, k_desc, ks_ptr, bt_ptr, seq_ptr, klen_p
         kmax = tl.maximum(kmax, tl.max(tl.where(member_b, klen_b, 0)))
         q_b, w_b = _queries(q_ptr, w_ptr, first_row + SUB, T, stride_qt, stride_qh, stride_wt, HI, DI, HI_PAD,
                             SUB, DOT_F32)
-    bt_row = bt_ptr + s.to(tl.int64) * stride_bt
+    if CONTIGUOUS:
+        seq_keys = tl.load(bt_ptr + s)  # key_start[s]: the sequence's first row of k
+    else:
+        seq_keys = bt_ptr + s.to(tl.int64) * stride_bt  # its block-table row
 
     # With num_stages on the loop, Triton's pipeliner prefetches every load in it (block-table
     # entries, key pages, scales), STAGES - 1 tiles deep in all, shared out along the load chain.
+    # Contiguous keys have no block-table load in the chain: the pipeliner then buffers STAGES key
+    # tiles (sm_90 compile: 5 / 8 at the defaults, 70-74 KiB shared, against 3 / 4 and 42 KiB paged).
     for n0 in tl.range(key_lo, kmax, BLOCK_N, num_stages=STAGES):
-        k, k_scale = _key_tile(k_ptr, k_desc, ks_ptr, bt_row, n0, kmax, max_blocks, stride_kb, stride_sb,
-                               DI, PAGE, BLOCK_N, FP8, TMA)
+        k, k_scale = _key_tile(k_ptr, k_desc, ks_ptr, seq_keys, n0, kmax, key_bound, stride_kb, stride_sb,
+                               DI, PAGE, BLOCK_N, FP8, TMA, CONTIGUOUS)
         n = n0 + tl.arange(0, BLOCK_N)
         logits = _head_sum(k, q_a, w_a, k_scale, SUB, HI_PAD, BLOCK_N, DOT_F32)
         _store_rows(out_ptr, logits, first_row, klen_a, member_a, n, key_end, stride_ot, SUB)
@@ -305,12 +334,14 @@ def _rows_over_keys(q_ptr, w_ptr, k_ptr, k_desc, ks_ptr, bt_ptr, seq_ptr, klen_p
 
 @triton.jit
 def _indexer_logits_kernel(q_ptr, w_ptr, k_ptr, k_desc, ks_ptr, bt_ptr, seq_ptr, klen_ptr, out_ptr,
-                           T, max_keys, max_blocks, keys_per_split,
+                           T, max_keys, key_bound, keys_per_split,
                            stride_qt, stride_qh, stride_wt, stride_kb, stride_sb, stride_bt, stride_ot,
                            HI: tl.constexpr, DI: tl.constexpr, HI_PAD: tl.constexpr, PAGE: tl.constexpr,
                            BLOCK_M: tl.constexpr, DOTS: tl.constexpr, BLOCK_N: tl.constexpr, FILL_N: tl.constexpr,
                            STAGES: tl.constexpr, LONE_STAGES: tl.constexpr, FP8: tl.constexpr, DOT_F32: tl.constexpr,
-                           TMA: tl.constexpr):
+                           TMA: tl.constexpr, CONTIGUOUS: tl.constexpr):
+    # Keys come paged (bt_ptr: the block table [B, key_bound]; k_ptr / ks_ptr / k_desc: the cache) or,
+    # with CONTIGUOUS, as one tensor k [key_bound, DI] (bt_ptr: key_start [B]; ks_ptr: k_scale [N]).
     # Row blocks in reverse: under a causal prefill the last rows see the most keys, and starting
     # the longest programs first keeps the tail of the launch short.
     first_row = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
@@ -334,14 +365,14 @@ def _indexer_logits_kernel(q_ptr, w_ptr, k_ptr, k_desc, ks_ptr, bt_ptr, seq_ptr,
             s = tl.sum(tl.where(ids == i, seq, 0))
             if tl.sum(tl.where(ids == i, size, 0)) == 1:  # a lone row (plain decode): a narrow dot
                 _rows_over_keys(q_ptr, w_ptr, k_ptr, k_desc, ks_ptr, bt_ptr, seq_ptr, klen_ptr, out_ptr,
-                                first_row + i, s, key_lo, key_end, T, max_blocks,
+                                first_row + i, s, key_lo, key_end, T, key_bound,
                                 stride_qt, stride_qh, stride_wt, stride_kb, stride_sb, stride_bt, stride_ot,
-                                HI, DI, HI_PAD, PAGE, 1, 1, BLOCK_N, LONE_STAGES, FP8, DOT_F32, TMA)
+                                HI, DI, HI_PAD, PAGE, 1, 1, BLOCK_N, LONE_STAGES, FP8, DOT_F32, TMA, CONTIGUOUS)
             else:  # prefill, speculative verify: the group's rows share every key tile
                 _rows_over_keys(q_ptr, w_ptr, k_ptr, k_desc, ks_ptr, bt_ptr, seq_ptr, klen_ptr, out_ptr,
-                                first_row, s, key_lo, key_end, T, max_blocks,
+                                first_row, s, key_lo, key_end, T, key_bound,
                                 stride_qt, stride_qh, stride_wt, stride_kb, stride_sb, stride_bt, stride_ot,
-                                HI, DI, HI_PAD, PAGE, BLOCK_M, DOTS, BLOCK_N, STAGES, FP8, DOT_F32, TMA)
+                                HI, DI, HI_PAD, PAGE, BLOCK_M, DOTS, BLOCK_N, STAGES, FP8, DOT_F32, TMA, CONTIGUOUS)
 
     # -inf over the rest of the split: past each group's last tile, and all of it for rows that see
     # no key here (the causal upper triangle of a prefill, rows with key_len 0).
@@ -352,6 +383,42 @@ def _indexer_logits_kernel(q_ptr, w_ptr, k_ptr, k_desc, ks_ptr, bt_ptr, seq_ptr,
         n = n0 + tl.arange(0, FILL_N)
         fill = row_ok[:, None] & (n[None, :] >= done[:, None]) & (n[None, :] < key_end)
         tl.store(out_rows + n[None, :], tl.full((BLOCK_M, FILL_N), float("-inf"), tl.float32), mask=fill)
+
+
+def _check_queries(q: torch.Tensor, w: torch.Tensor, fp8: bool, key_dtype: torch.dtype, keys: str) -> None:
+    """The checks both forms share: q's dtype against the keys' (keys: how to name them in errors),
+    q's head dim, w's shape."""
+    if q.dim() != 3:
+        raise ValueError(f"queries must be [T, HI, DI], got shape {tuple(q.shape)}")
+    T, HI, DI = q.shape
+    if fp8 and q.dtype != FP8:
+        raise ValueError(f"queries over {keys} must be float8_e4m3fn, got {q.dtype}")
+    if not fp8 and (q.dtype != key_dtype or q.dtype not in (torch.float32, torch.bfloat16)):
+        raise ValueError(f"{keys} must be fp32 or bf16 and match the queries' dtype, got keys {key_dtype} and "
+                         f"queries {q.dtype}")
+    if DI < 16 or DI & (DI - 1):
+        raise ValueError(f"the indexer kernel needs a power-of-two head dim >= 16, got {DI}")
+    if tuple(w.shape) != (T, HI):
+        raise ValueError(f"head weights have shape {tuple(w.shape)}; queries [{T}, {HI}, {DI}] need [{T}, {HI}]")
+
+
+def _launch(out: torch.Tensor, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, k_desc: TensorDescriptor | None,
+            scales: torch.Tensor, seq_keys: torch.Tensor, seq_idx: torch.Tensor, key_len: torch.Tensor,
+            launch: LogitsLaunch, key_bound: int, stride_sb: int, stride_bt: int, contiguous: bool) -> None:
+    """Run `_indexer_logits_kernel` into out [T, max_keys]; seq_keys: the block table (paged) or
+    key_start (contiguous), key_bound: its columns (paged) or the rows of keys (contiguous)."""
+    T, HI, DI = q.shape
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    w = w.float().contiguous()
+    seq_idx, key_len = seq_idx.contiguous(), key_len.contiguous()
+    grid = (triton.cdiv(T, launch.block_m), launch.num_splits)
+    _indexer_logits_kernel[grid](
+        q, w, keys, k_desc, scales, seq_keys, seq_idx, key_len, out,
+        T, out.shape[1], key_bound, launch.keys_per_split,
+        q.stride(0), q.stride(1), w.stride(0), keys.stride(0), stride_sb, stride_bt, out.stride(0),
+        **kernel_constants(launch, HI, DI, q.dtype, contiguous), num_warps=launch.num_warps,
+        **({"maxnreg": launch.max_registers} if launch.max_registers else {}),
+    )
 
 
 def indexer_logits(q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor, block_table: torch.Tensor,
@@ -373,17 +440,9 @@ def indexer_logits(q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor, 
 
     Tuning knobs (None = `launch_config`'s default; fields of `LogitsLaunch`): block_m, num_dots,
     block_n, tma, num_warps, num_stages, lone_stages, max_registers, num_splits."""
-    T, HI, DI = q.shape
     fp8 = index_cache.dtype == torch.uint8
-    if fp8 and q.dtype != FP8:
-        raise ValueError(f"queries over an FP8 indexer cache must be float8_e4m3fn, got {q.dtype}")
-    if not fp8 and (q.dtype != index_cache.dtype or q.dtype not in (torch.float32, torch.bfloat16)):
-        raise ValueError(f"an exact indexer cache must be fp32 or bf16 and match the queries' dtype, got cache "
-                         f"{index_cache.dtype} and queries {q.dtype}")
-    if DI < 16 or DI & (DI - 1):
-        raise ValueError(f"the indexer kernel needs a power-of-two head dim >= 16, got {DI}")
-    if tuple(w.shape) != (T, HI):
-        raise ValueError(f"head weights have shape {tuple(w.shape)}; queries [{T}, {HI}, {DI}] need [{T}, {HI}]")
+    _check_queries(q, w, fp8, index_cache.dtype, "an FP8 indexer cache" if fp8 else "an exact indexer cache")
+    T, HI, DI = q.shape
     row = BLOCK_SIZE * (DI + 4) if fp8 else BLOCK_SIZE * DI
     if index_cache.dim() != 2 or index_cache.shape[1] != row:
         raise ValueError(f"index_cache must be [num_blocks, {row}] for DI = {DI} ({'FP8' if fp8 else 'exact'} "
@@ -407,19 +466,64 @@ def indexer_logits(q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor, 
     # Key pages as a [num_blocks, 64, DI] tensor inside the cache rows (strides in elements).
     k_desc = TensorDescriptor(keys, [keys.shape[0], BLOCK_SIZE, DI], [keys.stride(0), DI, 1],
                               [1, BLOCK_SIZE, DI]) if launch.tma else None
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    w = w.float().contiguous()
     block_table = block_table.contiguous()
-    seq_idx, key_len = seq_idx.contiguous(), key_len.contiguous()
+    _launch(out, q, w, keys, k_desc, scales, block_table, seq_idx, key_len, launch, key_bound=block_table.shape[1],
+            stride_sb=scales.stride(0), stride_bt=block_table.stride(0), contiguous=False)
+    return out
 
-    grid = (triton.cdiv(T, launch.block_m), launch.num_splits)
-    _indexer_logits_kernel[grid](
-        q, w, keys, k_desc, scales, block_table, seq_idx, key_len, out,
-        T, max_keys, block_table.shape[1], launch.keys_per_split,
-        q.stride(0), q.stride(1), w.stride(0), keys.stride(0), scales.stride(0), block_table.stride(0), out.stride(0),
-        **kernel_constants(launch, HI, DI, q.dtype), num_warps=launch.num_warps,
-        **({"maxnreg": launch.max_registers} if launch.max_registers else {}),
-    )
+
+def indexer_logits_contiguous(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor | None,
+                              seq_idx: torch.Tensor, key_start: torch.Tensor, key_len: torch.Tensor, max_keys: int,
+                              **knobs: int | bool | None) -> torch.Tensor:
+    """Lightning-indexer logits over keys in one tensor, a packed variable-length batch (twin:
+    reference.indexer_logits_contiguous); the same kernel as `indexer_logits`, keys read in place.
+
+    q, w, seq_idx, key_len, max_keys and the result as in `indexer_logits`; k: [N, DI] keys, e4m3
+    with k_scale [N] fp32 (q e4m3 too), or fp32 / bf16 of q's dtype with k_scale None; the last dim
+    contiguous. key_start: [B] int, sequence b's keys are rows key_start[b], key_start[b] + 1, ...
+    of k (any offsets, in any order, gaps allowed): row t sees rows key_start[s] .. key_start[s] +
+    key_len[t] - 1, s = seq_idx[t]. Rows past the end of k read as zero keys (never out of bounds),
+    so key_start[s] + key_len[t] <= N is the caller's to keep. Knobs: those of `indexer_logits`;
+    TMA needs k's base address and row stride 16-byte aligned (else the default gathers)."""
+    fp8 = k.dtype == FP8
+    _check_queries(q, w, fp8, k.dtype, "FP8 keys" if fp8 else "exact keys")
+    T, HI, DI = q.shape
+    if k.dim() != 2 or k.shape[1] != DI:
+        raise ValueError(f"keys must be [N, {DI}] (the queries' head dim), got {tuple(k.shape)}")
+    if k.shape[0] and k.stride(1) != 1:
+        raise ValueError("keys must be contiguous in their last dim (a copy of every key a call would be silent "
+                         "and slow)")
+    N = k.shape[0]
+    if N >= 1 << 31:
+        raise ValueError(f"at most 2^31 - 1 keys (TMA coordinates are int32), got {N}")
+    if fp8 and (k_scale is None or k_scale.dtype != torch.float32 or tuple(k_scale.shape) != (N,)):
+        got = None if k_scale is None else f"{k_scale.dtype} {tuple(k_scale.shape)}"
+        raise ValueError(f"FP8 keys need k_scale: [N] = [{N}] fp32 (one scale a key), got {got}")
+    if not fp8 and k_scale is not None:
+        raise ValueError("exact keys have no scales: k_scale must be None")
+    if key_start.dim() != 1 or key_start.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"key_start must be [B] int32 or int64, got {key_start.dtype} {tuple(key_start.shape)}")
+    if tuple(seq_idx.shape) != (T,) or tuple(key_len.shape) != (T,):
+        raise ValueError(f"seq_idx and key_len must be [T] = [{T}], got {tuple(seq_idx.shape)} and "
+                         f"{tuple(key_len.shape)}")
+    check_device(q, w, k, key_start, seq_idx, key_len, *([k_scale] if fp8 else []))
+    aligned = k.data_ptr() % 16 == 0 and k.stride(0) * k.element_size() % 16 == 0
+    if knobs.get("tma") and not aligned:
+        raise ValueError(f"tma=True needs k's base address and row stride 16-byte aligned, got address "
+                         f"{k.data_ptr():#x} and a row stride of {k.stride(0) * k.element_size()} bytes")
+    launch = launch_config(T, HI, DI, max_keys, q.dtype, num_sms(q.device), has_tma(q.device) and aligned, **knobs)
+    out = torch.empty(T, max_keys, dtype=torch.float32, device=q.device)
+    if T == 0 or max_keys == 0:
+        return out
+    if N == 0:  # no key to see (a descriptor over no rows is not allowed)
+        return out.fill_(float("-inf"))
+
+    # Tiles of block_n (= 64) rows at row key_start[s] + n0: any offset, TMA addresses rows.
+    k_desc = TensorDescriptor(k, [N, DI], [k.stride(0), 1], [launch.block_n, DI]) if launch.tma else None
+    scales = k_scale.contiguous() if fp8 else k  # exact keys: never read
+    key_start = key_start.to(torch.int32).contiguous()  # N < 2^31: every valid start fits
+    _launch(out, q, w, k, k_desc, scales, key_start, seq_idx, key_len, launch, key_bound=N, stride_sb=1,
+            stride_bt=1, contiguous=True)
     return out
 
 

@@ -162,6 +162,25 @@ def indexer_logits(q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor, 
     return logits.masked_fill(~visible, float("-inf"))
 
 
+def indexer_logits_contiguous(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor | None,
+                              seq_idx: torch.Tensor, key_start: torch.Tensor, key_len: torch.Tensor,
+                              max_keys: int) -> torch.Tensor:
+    """Lightning-indexer logits over keys in one tensor (a packed variable-length batch).
+
+    k: [N, DI] e4m3 keys with k_scale [N] fp32, or float keys with k_scale None; key_start: [B]
+    sequence b's keys are rows key_start[b], key_start[b] + 1, ... of k; row t sees rows
+    key_start[seq_idx[t]] .. + key_len[t] - 1. Other arguments and the result as in
+    `indexer_logits`."""
+    pos = torch.arange(max_keys, device=q.device)
+    visible = pos[None] < key_len[:, None]  # [T, L]
+    rows = (key_start[seq_idx.long()].long()[:, None] + pos).masked_fill(~visible, 0)
+    keys = k.float()[rows]  # [T, L, DI]
+    scale = torch.ones_like(rows, dtype=torch.float32) if k_scale is None else k_scale.float()[rows]
+    dots = torch.einsum("thd,tld->thl", q.float(), keys).relu()  # [T, HI, L]
+    logits = torch.einsum("th,thl->tl", w.float(), dots) * scale
+    return logits.masked_fill(~visible, float("-inf"))
+
+
 def logical_to_slots(block_table: torch.Tensor, seq_idx: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """positions: [T, K] logical key positions (-1 = none) of sequence seq_idx[t] -> slots [T, K], -1 kept."""
     blocks = block_table[seq_idx.long()].long()  # [T, max_blocks]
