@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megactx import LLM, ModelConfig, SamplingParams
+from megactx.engine.model_runner import EagerCapture, StaticBatch, host_block_table
 from megactx.model import build_model
 
 VOCAB = 512
@@ -173,6 +174,57 @@ def test_bad_requests_are_refused_with_reasons(model):
     with pytest.raises(ValueError, match="max_tokens"):
         llm.add_request([1, 2, 3], SamplingParams(max_tokens=2000))
     assert not llm.has_unfinished()
+
+
+def test_static_batch_rows_past_each_sequence_are_padding():
+    """Token i of sequence b sits in row b·q + i; every other row sees no key and writes nothing."""
+    batch = StaticBatch(max_seqs=4, q=3, max_blocks=4, device=torch.device("cpu"))
+    table = host_block_table([[5, 2], [7]], 3)  # batch bucket 3: sequence 2 is padding
+    rows = batch.fill(table, [63, 10], [[11, 12, 13], [14]])
+    view = batch.view(3, 128)
+    assert rows.tolist() == [0, 1, 2, 3]
+    assert batch.input_ids[:9].tolist() == [11, 12, 13, 14, 0, 0, 0, 0, 0]
+    assert view.positions.tolist() == [63, 64, 65, 10, 10, 10, 0, 0, 0]  # position 64 is block 2's first
+    assert view.slots.tolist() == [5 * 64 + 63, 2 * 64, 2 * 64 + 1, 7 * 64 + 10, -1, -1, -1, -1, -1]
+    assert view.key_len.tolist() == [64, 65, 66, 11, 0, 0, 0, 0, 0]
+    assert view.seq_idx.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert view.block_table[:2, :2].tolist() == [[5, 2], [7, 0]] and view.key_len_host.tolist() == [128] * 9
+    batch.fill(host_block_table([[3]], 2), [0], [[9]])  # the next step: one sequence of one token
+    assert batch.view(2, 64).slots.tolist() == [3 * 64, -1, -1, -1, -1, -1]
+    batch.clear()
+    assert batch.view(4, 64).key_len.tolist() == [0] * 12 and set(batch.slots.tolist()) == {-1}
+
+
+def test_eager_capture_replays_into_the_captured_outputs():
+    x = torch.zeros(3)
+    graph = EagerCapture().capture(lambda: (x * 2, x + 1))
+    doubled, plus_one = graph.outputs
+    x.copy_(torch.tensor([1.0, 2.0, 3.0]))
+    graph.replay()
+    assert doubled.tolist() == [2, 4, 6] and plus_one.tolist() == [2, 3, 4]
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_graphed_decode_equals_eager_decode(model):
+    """Decode steps replayed through the graph machinery (EagerCapture on a CPU: batch and key
+    buckets, static buffers refilled every step, padding rows) sample the eager engine's tokens
+    and write its KV, step by step, greedy and seeded requests alike."""
+    prompts = _prompts([5, 100, 70, 3, 40])  # the long ones end first: later steps read fewer keys
+    params = [SamplingParams(temperature=t, max_tokens=n, ignore_eos=True, seed=s)
+              for t, n, s in [(0, 8, None), (0, 3, None), (1.0, 4, 1), (0, 6, None), (1.0, 9, 2)]]
+    eager, graphed = (LLM(model, device="cpu", max_num_seqs=4, num_blocks=32) for _ in range(2))
+    graphed.runner.use_graphs(EagerCapture(), min_keys=64)
+    for llm in (eager, graphed):
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            llm.add_request(prompt, sp, request_id=str(i))
+    while eager.has_unfinished():
+        assert [(d.request_id, d.token_ids) for d in graphed.step()] == [(d.request_id, d.token_ids)
+                                                                          for d in eager.step()]
+        for want, got in zip(eager.runner.caches, graphed.runner.caches):
+            assert all(a is None or torch.allclose(a, b, atol=1e-5) for a, b in zip(want, got))
+    assert not graphed.has_unfinished()
+    keys = [k for k in graphed.runner.graphs.graphs if k[0] == "decode"]
+    assert len({bs for _, bs, _ in keys}) >= 2 and len({n for _, _, n in keys}) >= 2, keys
 
 
 @pytest.mark.gpu

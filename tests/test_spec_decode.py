@@ -17,6 +17,7 @@ import torch
 
 from megactx import LLM, ModelConfig, SamplingParams
 from megactx.engine.block_manager import BlockManager
+from megactx.engine.model_runner import EagerCapture
 from megactx.engine.scheduler import Scheduler, SchedulerConfig
 from megactx.engine.sequence import Sequence, SequenceStatus
 from megactx.engine.spec_decode import SpecDecodeStats
@@ -323,6 +324,112 @@ def test_lookahead_slots_are_reserved_capped_and_returned():
     assert out.scheduled[0].num_draft_tokens == 0 and short.num_blocks == 1
 
 
+# ------------------------------------------------------------------------------ graphs
+def _graphed(llm: LLM) -> LLM:
+    """The engine running its decode, verify and draft steps through the graph machinery, on a
+    CPU: EagerCapture, key buckets from 64 keys (so these short prompts cross several)."""
+    llm.runner.use_graphs(EagerCapture(), min_keys=64)
+    return llm
+
+
+def _same_state(eager: LLM, graphed: LLM) -> None:
+    """Both engines hold the same drafts, and the same values in every slot of every cache: the
+    graphs' padding rows wrote nothing, and rejected positions hold what the eager step wrote."""
+    assert eager.spec.drafts.keys() == graphed.spec.drafts.keys()
+    for seq_id, want in eager.spec.drafts.items():
+        got = graphed.spec.drafts[seq_id]
+        assert got.tokens == want.tokens
+        assert (got.probs is None) == (want.probs is None)
+        if want.probs is not None:
+            assert torch.allclose(got.probs, want.probs, atol=1e-5)
+    for want, got in zip(eager.runner.caches, graphed.runner.caches):
+        for a, b in zip(want, got):
+            assert (a is None and b is None) or torch.allclose(a, b, atol=1e-5)
+
+
+def _run_in_lockstep(eager: LLM, graphed: LLM, waves: list[list[tuple[list[int], int]]],
+                     temperature: float) -> list:
+    """Step both engines together, adding wave i of (prompt, max_tokens) requests after 3 i steps
+    (every other one seeded); after every step they emitted the same tokens and hold the same
+    state. -> the graphed engine's RequestOutputs."""
+    outputs, step = [], 0
+    while waves or eager.has_unfinished():
+        if waves and step % 3 == 0:
+            for prompt, max_tokens in waves.pop(0):
+                seed = len(outputs) if len(outputs) % 2 else None
+                params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=seed)
+                eager.add_request(prompt, params, request_id=str(len(outputs)))
+                graphed.add_request(prompt, params, request_id=str(len(outputs)))
+                outputs.append(graphed.requests[str(len(outputs))].output)
+        got = [(d.request_id, d.token_ids) for d in graphed.step()]
+        assert got == [(d.request_id, d.token_ids) for d in eager.step()], f"step {step}"
+        _same_state(eager, graphed)
+        step += 1
+    assert not graphed.has_unfinished()
+    return outputs
+
+
+@pytest.mark.parametrize("case", [
+    ("good", "kvshare", 0.0),
+    ("good", "baseline", 0.0),
+    ("noise", "baseline", 0.0),  # nearly every draft rejected: rollbacks
+    ("good", "kvshare", 0.8),  # sampled drafts: a graph per draft step, sampling between them
+    ("good", "baseline", 0.8),
+], ids=["good-kvshare", "good-baseline", "noise-baseline", "sampled-kvshare", "sampled-baseline"])
+def test_graphed_steps_equal_eager_steps(case, noise_drafter, good_drafter):
+    """Verify and draft steps replayed from graphs (EagerCapture: the same code path as CUDA graphs,
+    buckets, static buffers and padding rows included) emit the eager engine's tokens, draft its
+    drafts and write its KV, step by step: batches of 1 to 4 sequences of different lengths, a
+    second wave of requests that hits the prefix cache beside running decodes, rejections."""
+    which, mode, temperature = case
+    shared = _prompts([140], seed=5)[0]  # two full blocks: a speculative engine reuses the first
+    first, second = _prompts([5, 40], seed=7), _prompts([3, 50], seed=8)
+    # the long ones end first: later steps fall to smaller key buckets
+    waves = [[(shared + [1], 5), (first[0], 6), (first[1], 12)],
+             [(shared + [2, 3], 4), (second[0], 9), (second[1], 10)]]
+    engines = [LLM(good_drafter if which == "good" else noise_drafter, device="cpu", num_speculative_tokens=GAMMA,
+                   mtp_mode=mode, max_num_seqs=4, num_blocks=32) for _ in range(2)]
+    eager, graphed = engines[0], _graphed(engines[1])
+    outputs = _run_in_lockstep(eager, graphed, waves, temperature)
+
+    assert graphed.stats.spec_decode == eager.stats.spec_decode and eager.stats.spec_decode.num_drafts > 0
+    assert outputs[3].num_cached_tokens == BLOCK_SIZE
+    keys = graphed.runner.graphs.graphs
+    verify = [k for k in keys if k[0] == "verify"]
+    assert len({bs for _, bs, _ in verify}) >= 2 and len({n for _, _, n in verify}) >= 2, sorted(keys)
+    drafts = {k[3] for k in keys if k[0] == "draft"}
+    assert drafts >= ({"loop"} if temperature == 0 else {0, 1, GAMMA - 1}), sorted(keys, key=str)
+    assert graphed.runner.graphs.capture.num_replays > 0
+    assert graphed.block_manager.num_used_blocks == 0
+
+
+def test_graphed_steps_equal_eager_steps_under_preemption(good_drafter):
+    """As above with too few blocks and a small token budget: chunked prefills beside graphed
+    decodes, a preempted sequence recomputed, then drafting again from graphs."""
+    a, b, c, d = _prompts([60, 62, 50, 63], seed=1)
+    setup = dict(num_speculative_tokens=GAMMA, mtp_mode="baseline", max_num_seqs=4, num_blocks=5,
+                 max_num_batched_tokens=40)
+    eager, graphed = LLM(good_drafter, device="cpu", **setup), _graphed(LLM(good_drafter, device="cpu", **setup))
+    _run_in_lockstep(eager, graphed, [[(a, 16), (b, 13), (c, 16)], [(d, 16), (a[:40] + [1, 2], 12)]], 0.0)
+    assert graphed.stats.spec_decode == eager.stats.spec_decode
+    assert graphed.stats.preemptions == eager.stats.preemptions > 0, "the test meant to exercise preemption"
+
+
+def test_graphed_prefix_hits_and_rollbacks_keep_greedy_output(good_drafter):
+    """The graphed speculative engine's greedy tokens are the non-speculative engine's, with the
+    KV of the drafts it rejected rolled back (a batch that hits the prefix cache of an earlier one)."""
+    shared = _prompts([150], seed=4)[0]
+    prompts = [shared + tail for tail in _prompts([7, 20, 1], seed=6)]
+    llm = _graphed(_spec(good_drafter))
+    first = llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+    rest = llm.generate(prompts[1:], GREEDY, use_tqdm=False)
+    assert [o.num_cached_tokens for o in rest] == [BLOCK_SIZE, BLOCK_SIZE]
+    want = LLM(good_drafter, device="cpu", num_blocks=32).generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in first + rest] == [o.token_ids for o in want]
+    stats = llm.stats.spec_decode
+    assert stats.mean_acceptance_length > 1.5 and stats.num_accepted_tokens < stats.num_draft_tokens
+
+
 # ------------------------------------------------------------------------------ stats, metrics, errors
 def test_stats_count_drafts_per_position_and_per_request(good_drafter):
     stats = SpecDecodeStats(3)
@@ -402,15 +509,17 @@ def test_bad_speculative_settings_are_refused(noise_drafter):
 
 # ------------------------------------------------------------------------------ GPU
 @pytest.mark.gpu
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])
 @pytest.mark.parametrize("mode", ["kvshare", "baseline"])
-def test_triton_speculative_greedy_equals_non_speculative(good_drafter, mode):
+def test_triton_speculative_greedy_equals_non_speculative(good_drafter, mode, cuda_graphs):
     """On CUDA through the Triton kernels, fp32 weights and exact caches (so only summation order
-    differs): the non-speculative engine's tokens, and the drafter's tokens accepted as on a CPU."""
+    differs): the non-speculative engine's tokens, and the drafter's tokens accepted as on a CPU,
+    with the steps run eagerly or replayed from CUDA graphs."""
     prompts = _prompts([5, 100, 70, 3, 64])
     cuda = good_drafter.to("cuda")
     try:
         kwargs = dict(device="cuda", dtype=torch.float32, index_cache_dtype="auto", num_blocks=64, max_num_seqs=8,
-                      max_model_len=1024, cuda_graphs=False)
+                      max_model_len=1024, cuda_graphs=cuda_graphs)
         want = LLM(cuda, **kwargs).generate(prompts, GREEDY, use_tqdm=False)
         llm = LLM(cuda, num_speculative_tokens=GAMMA, mtp_mode=mode, **kwargs)
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -437,3 +546,62 @@ def test_triton_speculative_sampling_in_bf16_with_an_fp8_indexer_cache(acceptanc
     # target-only accepts a greedy draft with probability p(x) only: far fewer at temperature 0.8-1
     assert llm.stats.spec_decode.mean_acceptance_length > (1.3 if acceptance == "rejection" else 1.05)
     assert llm.block_manager.num_used_blocks == 0
+
+
+@pytest.fixture(scope="module")
+def random_checkpoint(tmp_path_factory):
+    from megactx.testing import make_random_checkpoint
+
+    # fp32 weights; 16 indexer heads keep exact-zero ties out of the top-k (see test_paged.py)
+    return make_random_checkpoint(tmp_path_factory.mktemp("random"), dtype=torch.float32, vocab_size=VOCAB,
+                                  index_topk=16, index_n_heads=16, max_position_embeddings=1024)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gamma", [3, 7])
+@pytest.mark.parametrize("mode", ["kvshare", "baseline"])
+def test_cuda_graphs_replay_the_eager_speculative_steps(random_checkpoint, gamma, mode):
+    """Greedy speculative decoding with its verify and draft steps replayed from CUDA graphs emits
+    the eager engine's tokens and drafts: fp32 weights and exact caches, so only the summation
+    order (and the MoE's dense form under capture) can differ. Batches shrink from 6 sequences
+    (bucket 8) to 1 as requests of different lengths finish."""
+    kwargs = dict(device="cuda", dtype=torch.float32, index_cache_dtype="auto", num_blocks=64, max_num_seqs=8,
+                  max_model_len=1024, num_speculative_tokens=gamma, mtp_mode=mode)
+    eager = LLM(random_checkpoint, cuda_graphs=False, **kwargs)
+    assert eager.runner.graphs is None
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, eager.cfg.vocab_size - 1, (n,), generator=g).tolist() for n in (5, 100, 70, 3, 64, 130)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (24, 16, 20, 9, 24, 12)]
+    want = eager.generate(prompts, params, use_tqdm=False)
+    graphed = LLM(random_checkpoint, cuda_graphs=True, **kwargs)
+    got = graphed.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert graphed.stats.spec_decode == eager.stats.spec_decode and eager.stats.spec_decode.num_drafts > 0
+    keys = graphed.runner.graphs.graphs
+    assert len({bs for kind, bs, *_ in keys if kind == "verify"}) >= 2, sorted(keys, key=str)
+    assert any(k[0] == "draft" and k[3] == "loop" for k in keys), sorted(keys, key=str)
+    assert graphed.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["kvshare", "baseline"])
+def test_cuda_graphs_replay_sampled_drafts_step_by_step(good_drafter, mode):
+    """Sampled drafts run a CUDA graph per draft step with the sampling eager between replays:
+    seeded requests draw the eager engine's tokens (fp32, exact caches), drafts accepted in runs."""
+    cuda = good_drafter.to("cuda")
+    try:
+        kwargs = dict(device="cuda", dtype=torch.float32, index_cache_dtype="auto", num_blocks=64, max_num_seqs=8,
+                      max_model_len=1024, num_speculative_tokens=GAMMA, mtp_mode=mode)
+        params = [SamplingParams(temperature=0.8, max_tokens=20, ignore_eos=True, seed=s) for s in range(4)]
+        prompts = _prompts([5, 100, 70, 33])
+        eager = LLM(cuda, cuda_graphs=False, **kwargs)
+        want = eager.generate(prompts, params, use_tqdm=False)
+        graphed = LLM(cuda, cuda_graphs=True, **kwargs)
+        got = graphed.generate(prompts, params, use_tqdm=False)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert graphed.stats.spec_decode == eager.stats.spec_decode
+        assert graphed.stats.spec_decode.mean_acceptance_length > 1.3
+        steps = {k[3] for k in graphed.runner.graphs.graphs if k[0] == "draft"}
+        assert steps >= set(range(GAMMA)), steps
+    finally:
+        good_drafter.to("cpu")

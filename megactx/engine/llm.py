@@ -135,8 +135,9 @@ class LLM:
     device / dtype: default CUDA + bf16 when available, else CPU + fp32. backend: "triton" on CUDA,
     "torch" (the kernels' twins) on a CPU. kv_cache_dtype: "auto" (= dtype), "bf16", "fp8";
     index_cache_dtype: the indexer cache, "fp8" on CUDA by default (what production runs), "auto"
-    (exact) on a CPU. cuda_graphs: replay CUDA graphs for decode steps (CUDA only; a speculative
-    engine runs its steps eagerly for now).
+    (exact) on a CPU. cuda_graphs: replay CUDA graphs for decode steps, and in a speculative
+    engine for the verify and draft steps of steps that only decode (CUDA with the Triton
+    kernels; see megactx.engine.model_runner).
 
     num_speculative_tokens: γ, tokens the checkpoint's MTP layer drafts a step (0: no speculative
     decoding). The default stays 0 until megactx ships a trained MTP checkpoint; 7 is the intended

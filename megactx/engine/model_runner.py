@@ -5,10 +5,25 @@ layer, all indexed by the block manager's block ids) and turns a step — a list
 `ScheduledSeq` chunks — into a flattened batch with explicit metadata (`PagedBatch`), runs
 `Transformer.hidden_states` over it, and returns the logits of the chunks that sample.
 
-Decode steps on CUDA replay CUDA graphs (`DecodeGraphs`): a step of B sequences decoding one token
-each runs the graph captured for the smallest batch bucket >= B and the smallest key-count bucket
->= the longest sequence, over static input buffers the runner fills; padded rows see no keys and
-write nothing. Everything else (prefill chunks, mixed steps, CPU) runs eagerly.
+Graphs (`StepGraphs`). On CUDA the steps whose shapes repeat are replayed as CUDA graphs, because
+at small batches a step is bound by kernel launches, not by the GPU: plain decode steps (B
+sequences x 1 token), and with speculative decoding the verify forward (B x (γ + 1) tokens) and
+the MTP draft steps (`spec_decode.DraftGraphs`). A graph is captured lazily per (kind, batch
+bucket, key-count bucket): the smallest batch bucket >= B and the smallest key bucket >= the
+longest key range the step reads. It reads its inputs from static buffers (`StaticBatch`) the
+runner fills before each replay: sequence b's tokens sit in rows b·q .. b·q + q - 1, and every row
+past a sequence's tokens (and every row of the sequences past B) is a padding row: no keys
+(key_len 0), no KV write (slot -1), its outputs dropped. Everything else (prefill chunks, mixed
+steps, CPU) runs eagerly.
+
+Capture and replay go through a `Capture`: `CudaGraphCapture` (torch.cuda.CUDAGraph, one memory
+pool for all graphs) on CUDA; `EagerCapture` calls the captured function again at each replay, so
+that a CPU runs the graphed code path — buckets, static buffers, padding rows — exactly (tests
+install it with `ModelRunner.use_graphs`). Rules every graphed step keeps, because the graphs share
+one pool and capture freezes what the host decides: nothing inside syncs with the host; buffers
+are made inert (slot -1, key_len 0) before a capture, whose warm-up run and recording would
+otherwise write into live KV blocks; state one graph hands to another goes through static buffers
+allocated outside the pool, and a graph's own outputs are read before any other graph replays.
 
 Cache sizing: on CUDA, the blocks fill `gpu_memory_utilization` of the device after the weights
 and a profiled forward of `max_num_batched_tokens` tokens (activations); on a CPU, they hold
@@ -17,7 +32,9 @@ and a profiled forward of `max_num_batched_tokens` tokens (activations); on a CP
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -96,9 +113,20 @@ class ModelRunner:
         self.cache = cache
         self.ops = kernel_ops(backend)
         self.caches = alloc_caches(self.cfg, cache.num_blocks, cache.kv_dtype, cache.index_dtype, self.device)
-        self.graphs = None
-        if cuda_graphs and self.device.type == "cuda":
-            self.graphs = DecodeGraphs(self, max_num_seqs, max_model_len or self.cfg.max_position_embeddings)
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len or self.cfg.max_position_embeddings
+        self.graphs: StepGraphs | None = None
+        # the torch twins select with boolean masks (a host sync): only the Triton kernels capture
+        if cuda_graphs and self.device.type == "cuda" and backend == "triton":
+            self.use_graphs(CudaGraphCapture())
+
+    def use_graphs(self, capture: Capture, min_keys: int | None = None) -> StepGraphs:
+        """Run decode steps (and a speculative engine's verify and draft steps) as graphs captured
+        through `capture` from now on; what cuda_graphs=True does on CUDA. Tests pass an
+        `EagerCapture` (and a small min_keys, the smallest key bucket) to run that path on a CPU."""
+        self.graphs = StepGraphs(self, capture, self.max_num_seqs, self.max_model_len,
+                                 StepGraphs.MIN_KEYS if min_keys is None else min_keys)
+        return self.graphs
 
     @property
     def cache_bytes(self) -> int:
@@ -122,11 +150,74 @@ class ModelRunner:
     def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         """Compute the step's chunks (writing their KV) -> logits [R, vocab] fp32 of the chunks
         that sample, in scheduled order."""
-        if self.graphs is not None and self.graphs.can_run(scheduled):
-            return self.graphs.run(scheduled)
+        if self.graphs is not None and all(item.num_tokens == 1 and item.samples for item in scheduled):
+            logits = self.graphs.forward("decode", [item.seq.block_table for item in scheduled],
+                                         [item.start for item in scheduled],
+                                         [[item.seq.token_ids[item.start]] for item in scheduled])
+            if logits is not None:
+                return logits
         input_ids, batch, rows = self.prepare(scheduled)
         hidden = self.model.hidden_states(input_ids, batch.positions[None], self.layer_caches(batch))[0]  # [T, D]
         return self.model.compute_logits(hidden.index_select(0, rows))
+
+
+# ---------------------------------------------------------------------------------- graphs
+class Graph:
+    """A captured step. replay() recomputes `outputs` — what the captured function returned:
+    a tensor, a tuple of tensors, or None — in place, from the static buffers the function reads."""
+
+    def __init__(self, replay: Callable[[], None], outputs: Any):
+        self.replay = replay
+        self.outputs = outputs
+
+
+class Capture(Protocol):
+    def capture(self, fn: Callable[[], Any]) -> Graph:
+        """Record fn (no arguments; it reads static buffers) for later replays. Runs it at least
+        once, with the buffers as they are: the caller makes them inert first."""
+        ...
+
+
+class CudaGraphCapture:
+    """torch.cuda.CUDAGraph, every graph in one memory pool: graphs never run at once, so each may
+    reuse the memory of the others' intermediates."""
+
+    def __init__(self):
+        self.pool = None
+
+    def capture(self, fn: Callable[[], Any]) -> Graph:
+        torch.cuda.synchronize()
+        fn()  # compiles the Triton kernels and warms the allocator outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = fn()
+        self.pool = graph.pool()
+        return Graph(graph.replay, outputs)
+
+
+class EagerCapture:
+    """The graphed code path without graphs: replay() calls fn again and copies its results into
+    the tensors the capture returned (a graph's outputs are fixed tensors refilled in place)."""
+
+    def __init__(self):
+        self.num_replays = 0
+
+    def capture(self, fn: Callable[[], Any]) -> Graph:
+        outputs = fn()
+
+        def replay() -> None:
+            self.num_replays += 1
+            for held, new in zip(_tensors(outputs), _tensors(fn()), strict=True):
+                held.copy_(new)
+
+        return Graph(replay, outputs)
+
+
+def _tensors(outputs: Any) -> list[torch.Tensor]:
+    if outputs is None:
+        return []
+    return [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
 
 
 def _buckets(largest: int, first: int) -> list[int]:
@@ -137,87 +228,162 @@ def _buckets(largest: int, first: int) -> list[int]:
     return out
 
 
-class DecodeGraphs:
-    """CUDA graphs of decode steps (one token a sequence), captured lazily per (batch bucket,
-    key-count bucket). The key bucket bounds the indexer's logits buffer ([batch, keys] fp32): one
-    graph for every context up to max_model_len would make a short-context step pay for 1M keys."""
+def host_block_table(tables: Sequence[Sequence[int]], bsz: int) -> torch.Tensor:
+    """Block tables of the first len(tables) of bsz sequences -> [bsz, width] int32 on the host,
+    0-padded; width = the longest table (at least 1)."""
+    table = torch.zeros(bsz, max(1, max((len(t) for t in tables), default=0)), dtype=torch.int32)
+    for b, t in enumerate(tables):
+        table[b, : len(t)] = torch.as_tensor(t, dtype=torch.int32)
+    return table
+
+
+def slots_of(table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """table: [B, W] int32 physical blocks, positions: [B, N] int64 (each inside its table) ->
+    slots [B, N] int64."""
+    blocks = table.gather(1, (positions // BLOCK_SIZE).clamp_max(table.shape[1] - 1)).long()
+    return blocks * BLOCK_SIZE + positions % BLOCK_SIZE
+
+
+class StaticBatch:
+    """Static device buffers of one forward's inputs for up to max_seqs sequences of at most q
+    tokens each, flattened: token i of sequence b is row b·q + i. Rows a fill() leaves empty are
+    padding rows (key_len 0, slot -1: they see no keys and write nothing)."""
+
+    def __init__(self, max_seqs: int, q: int, max_blocks: int, device: torch.device):
+        n = max_seqs * q
+        self.q = q
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)  # [n]: each row's token
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slots = torch.full((n,), -1, dtype=torch.long, device=device)
+        self.seq_idx = torch.arange(max_seqs, dtype=torch.int32, device=device).repeat_interleave(q)
+        self.key_len = torch.zeros(n, dtype=torch.int32, device=device)
+        self.block_table = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, device=device)
+
+    def view(self, bsz: int, max_keys: int) -> PagedBatch:
+        """The metadata of the first bsz sequences' rows; max_keys (the key bucket) bounds every
+        row's key range without a sync, and sizes the indexer's logits buffer."""
+        rows = bsz * self.q
+        return PagedBatch(self.positions[:rows], self.slots[:rows], self.seq_idx[:rows], self.key_len[:rows],
+                          self.block_table[:bsz], torch.full((rows,), max_keys, dtype=torch.int32))
+
+    def clear(self) -> None:
+        """Make every row a padding row (before a capture: its runs must not write live blocks)."""
+        self.slots.fill_(-1)
+        self.key_len.zero_()
+
+    def fill(self, table: torch.Tensor, starts: Sequence[int], token_ids: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Sequence b < len(starts) computes positions starts[b] .. starts[b] + len(token_ids[b]) - 1
+        (1 to q tokens) over its physical blocks table[b] (host [bsz, W] int32, see host_block_table);
+        sequences len(starts) .. bsz - 1 are padding. -> the rows [T] int64 (host) of the
+        sequences' tokens, in order: row b·q + i holds token i of sequence b."""
+        bsz, q, n = table.shape[0], self.q, len(starts)
+        counts = torch.zeros(bsz, dtype=torch.long)
+        counts[:n] = torch.tensor([len(ids) for ids in token_ids])
+        start = torch.zeros(bsz, dtype=torch.long)
+        start[:n] = torch.tensor(starts, dtype=torch.long)
+        assert int(counts.max()) <= q, f"a sequence computes more than q = {q} positions"
+        real = torch.arange(q)[None] < counts[:, None]  # [bsz, q]
+        pos = start[:, None] + torch.arange(q)[None] * real  # padding rows sit at their sequence's start
+        rows = real.flatten().nonzero().squeeze(1)
+        ids = torch.zeros(bsz * q, dtype=torch.long)
+        ids[rows] = torch.tensor([t for seq_ids in token_ids for t in seq_ids], dtype=torch.long)
+        m = bsz * q
+        self.input_ids[:m].copy_(ids, non_blocking=True)
+        self.positions[:m].copy_(pos.flatten(), non_blocking=True)
+        self.slots[:m].copy_(torch.where(real, slots_of(table, pos), -1).flatten(), non_blocking=True)
+        self.key_len[:m].copy_(torch.where(real, pos + 1, 0).flatten().int(), non_blocking=True)
+        # columns past the longest table keep older entries: no row reads past its key_len
+        self.block_table[:bsz, : table.shape[1]].copy_(table, non_blocking=True)
+        return rows
+
+
+class StepGraphs:
+    """The runner's captured steps, `graphs[(kind, batch bucket, key bucket, ...)]`, and the
+    buckets. Kinds: "decode" (the target over 1 token a sequence -> logits), "verify" (the target
+    over the γ + 1 verified tokens of each sequence -> final-normed hidden states; SpecDecoder.verify
+    then computes the logits it needs), "draft" (spec_decode.DraftGraphs).
+
+    The key bucket bounds the indexer's logits buffer ([rows, keys] fp32): one graph for every
+    context up to max_model_len would make a short-context step pay for 1M keys."""
 
     MIN_KEYS = 4096  # the smallest key-count bucket
+    BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
-    def __init__(self, runner: ModelRunner, max_num_seqs: int, max_model_len: int):
+    def __init__(self, runner: ModelRunner, capture: Capture, max_num_seqs: int, max_model_len: int,
+                 min_keys: int = MIN_KEYS):
         self.runner = runner
-        self.batch_buckets = [b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256) if b < max_num_seqs]
-        self.batch_buckets.append(max_num_seqs)
-        self.key_buckets = _buckets(max_model_len, min(self.MIN_KEYS, max_model_len))
+        self.capture = capture
+        self.max_num_seqs = max_num_seqs
+        self.batch_buckets = [b for b in self.BATCH_BUCKETS if b < max_num_seqs] + [max_num_seqs]
+        self.key_buckets = _buckets(max_model_len, min(min_keys, max_model_len))
         self.max_blocks = -(-max_model_len // BLOCK_SIZE)
-        n, dev = max_num_seqs, runner.device
-        self.input_ids = torch.zeros(1, n, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.slots = torch.full((n,), -1, dtype=torch.long, device=dev)
-        self.seq_idx = torch.arange(n, dtype=torch.int32, device=dev)
-        self.key_len = torch.zeros(n, dtype=torch.int32, device=dev)
-        self.block_table = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = None  # one memory pool shared by every graph (they never run at once)
+        self.graphs: dict[tuple, Graph] = {}
+        self._batches: dict[str, StaticBatch] = {}
+        self._outputs: dict[str, torch.Tensor] = {}
 
-    def can_run(self, scheduled: list[ScheduledSeq]) -> bool:
-        return (len(scheduled) <= self.batch_buckets[-1]
-                and all(item.num_tokens == 1 and item.samples for item in scheduled))
+    def bucket(self, bsz: int, max_keys: int) -> tuple[int, int] | None:
+        """(batch bucket, key bucket) of a step of bsz sequences reading at most max_keys keys,
+        None if the step exceeds the largest buckets."""
+        bs = next((b for b in self.batch_buckets if b >= bsz), None)
+        keys = next((k for k in self.key_buckets if k >= max_keys), None)
+        return None if bs is None or keys is None else (bs, keys)
 
-    def _bucket(self, buckets: list[int], n: int) -> int:
-        return next(b for b in buckets if b >= n)
+    def static_batch(self, name: str, q: int) -> StaticBatch:
+        """The static inputs named `name` (one set per use, allocated at first use)."""
+        if name not in self._batches:
+            self._batches[name] = StaticBatch(self.max_num_seqs, q, self.max_blocks, self.runner.device)
+        return self._batches[name]
 
-    def _batch(self, bs: int, max_keys: int) -> PagedBatch:
-        return PagedBatch(self.positions[:bs], self.slots[:bs], self.seq_idx[:bs], self.key_len[:bs],
-                          self.block_table[:bs], torch.full((bs,), max_keys, dtype=torch.int32))
+    def output(self, name: str, rows: int, width: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The first `rows` (<= max_num_seqs) rows of the static [max_num_seqs, width] buffer `name`
+        that graphs write an output into, shared by all of them: outputs returned from a capture
+        would each stay allocated in the pool (a [batch, V] fp32 of logits per graph)."""
+        if name not in self._outputs:
+            self._outputs[name] = torch.zeros(self.max_num_seqs, width, dtype=dtype, device=self.runner.device)
+        return self._outputs[name][:rows]
 
-    def _capture(self, bs: int, max_keys: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        model, runner = self.runner.model, self.runner
-        batch = self._batch(bs, max_keys)
-        layers = runner.layer_caches(batch)
-
-        def step() -> torch.Tensor:
-            hidden = model.hidden_states(self.input_ids[:, :bs], self.positions[None, :bs], layers)[0]
-            return model.compute_logits(hidden)
-
-        self.slots[:bs].fill_(-1)  # warm-up and capture must not write into live KV blocks
-        self.key_len[:bs].fill_(0)
-        torch.cuda.synchronize()
-        step()  # compiles the Triton kernels and warms the allocator outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits = step()
-        self.pool = graph.pool()
-        return graph, logits
+    def captured(self, key: tuple, build: Callable[[], Callable[[], Any]], clear: Callable[[], None]) -> Graph:
+        """The graph of `key`, captured now from build()'s function if it is new; clear() makes
+        its static inputs inert first. Fill the inputs after this call, then replay."""
+        graph = self.graphs.get(key)
+        if graph is None:
+            clear()
+            graph = self.graphs[key] = self.capture.capture(build())
+        return graph
 
     @torch.inference_mode()
-    def run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        n = len(scheduled)
-        positions = [item.start for item in scheduled]
-        bs = self._bucket(self.batch_buckets, n)
-        max_keys = self._bucket(self.key_buckets, max(positions) + 1)
-        key = (bs, max_keys)
-        if key not in self.graphs:
-            self.graphs[key] = self._capture(bs, max_keys)
-        graph, logits = self.graphs[key]
-
-        # fill the static inputs; rows n..bs-1 see no keys, write nothing, and their logits are dropped
-        table = torch.zeros(bs, self.max_blocks, dtype=torch.int32)
-        for i, item in enumerate(scheduled):
-            table[i, : len(item.seq.block_table)] = torch.as_tensor(item.seq.block_table, dtype=torch.int32)
-        pos = torch.zeros(bs, dtype=torch.long)
-        pos[:n] = torch.tensor(positions)
-        ids = torch.zeros(bs, dtype=torch.long)
-        ids[:n] = torch.tensor([item.seq.token_ids[item.start] for item in scheduled])
-        slots = torch.full((bs,), -1, dtype=torch.long)
-        slots[:n] = table[torch.arange(n), pos[:n] // BLOCK_SIZE].long() * BLOCK_SIZE + pos[:n] % BLOCK_SIZE
-        key_len = torch.zeros(bs, dtype=torch.int32)
-        key_len[:n] = (pos[:n] + 1).int()
-        self.block_table[:bs].copy_(table, non_blocking=True)
-        self.positions[:bs].copy_(pos, non_blocking=True)
-        self.input_ids[0, :bs].copy_(ids, non_blocking=True)
-        self.slots[:bs].copy_(slots, non_blocking=True)
-        self.key_len[:bs].copy_(key_len, non_blocking=True)
+    def forward(self, kind: str, tables: Sequence[Sequence[int]], starts: Sequence[int],
+                token_ids: Sequence[Sequence[int]], q: int = 1) -> torch.Tensor | None:
+        """The target over B sequences, sequence b computing tokens token_ids[b] (1 to q of them)
+        at positions starts[b] .. over its blocks tables[b], from the graph of `kind` ("decode":
+        q = 1 and logits out; "verify": final-normed hidden states out) -> logits [T, V] fp32 or
+        hidden [T, D] of the T = Σ len(token_ids[b]) tokens in order: what the eager forward of
+        the same flattened batch returns, up to summation order; None when no bucket fits (run
+        eagerly). Logits are a view of a static buffer: read them before the next replay."""
+        buckets = self.bucket(len(tables), max(s + len(ids) for s, ids in zip(starts, token_ids)))
+        if buckets is None:
+            return None
+        bs, max_keys = buckets
+        batch = self.static_batch(kind, q)
+        graph = self.captured((kind, bs, max_keys), lambda: self._target(batch, bs, max_keys, kind == "decode"),
+                              batch.clear)
+        rows = batch.fill(host_block_table(tables, bs), starts, token_ids)
         graph.replay()
-        return logits[:n]
+        if q == 1:
+            return graph.outputs[: len(tables)]
+        return graph.outputs.index_select(0, rows.to(self.runner.device, non_blocking=True))
+
+    def _target(self, batch: StaticBatch, bs: int, max_keys: int, logits: bool) -> Callable[[], torch.Tensor]:
+        model = self.runner.model
+        paged = batch.view(bs, max_keys)
+        layers = self.runner.layer_caches(paged)
+        rows = bs * batch.q
+        cfg = self.runner.cfg
+        out = (self.output("logits", bs, cfg.vocab_size) if logits  # decode: q = 1
+               else self.output(f"hidden-{batch.q}", bs, batch.q * cfg.hidden_size, model.dtype).view(rows, -1))
+
+        def step() -> torch.Tensor:
+            hidden = model.hidden_states(batch.input_ids[None, :rows], paged.positions[None], layers)[0]  # [rows, D]
+            return out.copy_(model.compute_logits(hidden) if logits else hidden)
+
+        return step

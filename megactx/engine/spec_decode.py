@@ -30,18 +30,25 @@ the draft logits (q is then one-hot: accepted with probability p(d)); "rejection
 any q is valid as long as the drafts were drawn from it.
 
 Host syncs: two a step (the emitted tokens after the verify, the draft tokens after drafting).
+
+Graphs. When the runner replays graphs (CUDA; `ModelRunner.use_graphs`), a step whose chunks are
+all decodes runs its verify forward as one graph of B sequences x (γ + 1) rows (`StepGraphs`,
+kind "verify": a sequence with k < γ drafts leaves padding rows), and propose() runs the MTP
+steps as `DraftGraphs` whenever no sequence computed more than γ + 1 positions. The acceptance
+(verify()) stays eager: it is a handful of kernels ending in the step's host sync anyway.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from megactx.config import ModelConfig
+from megactx.engine.model_runner import host_block_table, slots_of
 from megactx.engine.rejection_sampler import draw_uniforms, greedy_verify, rejection_sample
 from megactx.engine.sampler import (
     SamplingTensors,
@@ -59,7 +66,7 @@ from megactx.kernels.reference import BLOCK_SIZE
 from megactx.model.paged import PagedBatch, PagedLayerCache
 
 if TYPE_CHECKING:
-    from megactx.engine.model_runner import ModelRunner
+    from megactx.engine.model_runner import ModelRunner, StepGraphs
     from megactx.model.transformer import Transformer
 
 MTP_MODES = ("auto", "kvshare", "baseline")  # auto: the checkpoint's index_share_for_mtp_iteration
@@ -222,6 +229,7 @@ class SpecDecoder:
         self.shared_generator = shared_generator
         self.drafts: dict[int, Draft] = {}  # seq_id -> drafts for its next verify
         self.stats = SpecDecodeStats(config.num_speculative_tokens)
+        self._graphs: DraftGraphs | None = None
 
     def draft_lengths(self) -> dict[int, int]:
         """seq_id -> draft tokens held (what Scheduler.schedule takes)."""
@@ -233,6 +241,14 @@ class SpecDecoder:
 
     def forward(self, scheduled: Sequence[ScheduledSeq]) -> torch.Tensor:
         """The step's target forward over known and draft tokens -> hidden states [T, D]."""
+        graphs = self.runner.graphs
+        if graphs is not None and all(item.num_tokens == 1 and item.samples for item in scheduled):
+            ids = [[item.seq.token_ids[item.start], *self.drafts[item.seq.seq_id].tokens[: item.num_draft_tokens]]
+                   if item.num_draft_tokens else [item.seq.token_ids[item.start]] for item in scheduled]
+            hidden = graphs.forward("verify", [item.seq.block_table for item in scheduled],
+                                    [item.start for item in scheduled], ids, q=self.config.num_speculative_tokens + 1)
+            if hidden is not None:
+                return hidden
         return forward_positions(self.runner, scheduled, self.drafts)
 
     # -------------------------------------------------------------------------- verify
@@ -335,7 +351,7 @@ class SpecDecoder:
 
         hidden: [T, D] from forward(). generators: seq_id -> the generator of a seeded request."""
         device, runner = hidden.device, self.runner
-        rows, next_tokens, members = [], [], []
+        rows, members = [], []
         for item, off in zip(scheduled, _offsets(scheduled)):
             seq = item.seq
             if item.samples:
@@ -344,46 +360,51 @@ class SpecDecoder:
                 continue
             computed = seq.num_computed_tokens - item.start  # known tokens, then the accepted drafts
             rows.extend(range(off, off + computed))
-            next_tokens.extend(seq.token_ids[item.start + 1 : item.start + computed + 1])
             members.append((seq, item.start, computed))
         if not members:
             return
+        plan = self._plan(members, num_drafts, generators)
+        graphs = self._draft_graphs()
+        if graphs is not None and graphs.run(members, hidden, rows, plan):
+            return
         batch = PagedBatch.build([s.block_table for s, _, _ in members], [start for _, start, _ in members],
                                  [n for _, _, n in members], device)
+        next_tokens = [t for seq, start, n in members for t in seq.token_ids[start + 1 : start + n + 1]]
         step1, topk = mtp_forward(runner, hidden.index_select(0, torch.tensor(rows, device=device)),
                                   torch.tensor(next_tokens, dtype=torch.long, device=device), batch, batch.positions)
+        if plan.seqs:
+            # each drafting sequence continues from its last computed position (its chunk's last row)
+            ends = list(itertools.accumulate(n for _, _, n in members))
+            last = torch.tensor([ends[m] - 1 for m in plan.members], device=device)
+            self._draft(plan, step1.index_select(0, last), topk.index_select(0, last))
 
-        # sequences that draft, from their last computed position (the last row of their chunk)
-        ends = list(itertools.accumulate(n for _, _, n in members))
-        drafting = [(seq, end - 1) for (seq, _, _), end in zip(members, ends) if num_drafts.get(seq.seq_id, 0) > 0]
-        if drafting:
-            self._draft(drafting, step1, topk, num_drafts, generators)
-
-    def _draft(self, drafting: list[tuple[Seq, int]], step1: torch.Tensor, topk: torch.Tensor,
-               num_drafts: Mapping[int, int], generators: Mapping[int, torch.Generator]) -> None:
-        """Draft steps 1 .. k' for each (sequence, its last row in step1 / topk): step1 [T', D] and
-        topk [T', K] are MTP step 1's outputs."""
-        runner, cfg, device = self.runner, self.config, step1.device
-        seqs = [seq for seq, _ in drafting]
-        last = torch.tensor([row for _, row in drafting], device=device)
-        bsz = len(seqs)
+    def _plan(self, members: list[tuple[Seq, int, int]], num_drafts: Mapping[int, int],
+              generators: Mapping[int, torch.Generator]) -> _DraftPlan:
+        """Which of the members (sequence, chunk start, positions computed) draft, and how."""
+        which = [m for m, (seq, _, _) in enumerate(members) if num_drafts.get(seq.seq_id, 0) > 0]
+        seqs = [members[m][0] for m in which]
         steps = [num_drafts[s.seq_id] for s in seqs]
-        if not cfg.kv_share:
+        if not self.config.kv_share:
             # baseline step j >= 2 writes at position num_computed + j - 2, which must lie in the
             # sequence's slots (a prefill may not have got its lookahead slots)
             steps = [min(k, s.num_blocks * BLOCK_SIZE - s.num_computed_tokens + 1) for k, s in zip(steps, seqs)]
-        pos0 = [s.num_computed_tokens - 1 for s in seqs]  # step 1's position; step j runs at pos0 + j - 1
-        hidden = step1.index_select(0, last)  # [B, D]: each step's MTP output feeds the next
-        shared_topk = topk.index_select(0, last)  # [B, K]: step 1's selection, reused under KVShare
-        tensors = SamplingTensors.from_params([s.sampling_params for s in seqs], device, self.vocab_size,
+        if not seqs:
+            return _DraftPlan([], [], [], True, None, [])
+        tensors = SamplingTensors.from_params([s.sampling_params for s in seqs], self.runner.device, self.vocab_size,
                                               self.eos_token_ids)
-        gens = [generators.get(s.seq_id) for s in seqs]
-        greedy = cfg.acceptance == "target-only" or tensors.all_greedy
-        tokens = torch.zeros(bsz, max(steps), dtype=torch.long, device=device)
-        probs = None if greedy else torch.zeros(bsz, max(steps), self.vocab_size, device=device)
+        greedy = self.config.acceptance == "target-only" or tensors.all_greedy
+        return _DraftPlan(which, seqs, steps, greedy, tensors, [generators.get(s.seq_id) for s in seqs])
 
+    def _draft(self, plan: _DraftPlan, hidden: torch.Tensor, shared_topk: torch.Tensor) -> None:
+        """Draft steps 1 .. k' eagerly: hidden [B, D] and shared_topk [B, K] are MTP step 1's
+        output and top-k at each drafting sequence's last computed position."""
+        runner, cfg, device = self.runner, self.config, hidden.device
+        seqs, steps = plan.seqs, plan.steps
+        pos0 = [s.num_computed_tokens - 1 for s in seqs]  # step 1's position; step j runs at pos0 + j - 1
+        tokens = torch.zeros(len(seqs), max(steps), dtype=torch.long, device=device)
+        probs = None if plan.greedy else torch.zeros(len(seqs), max(steps), self.vocab_size, device=device)
         for step in range(max(steps)):
-            active = [b for b in range(bsz) if steps[b] > step]
+            active = [b for b in range(len(seqs)) if steps[b] > step]
             idx = torch.tensor(active, device=device)
             if step > 0:
                 tables = [seqs[b].block_table for b in active]
@@ -397,14 +418,203 @@ class SpecDecoder:
                     out, _ = mtp_forward(runner, hidden.index_select(0, idx), tokens[idx, step - 1], batch,
                                          batch.positions)
                 hidden = hidden.index_copy(0, idx, out)
-            logits = draft_logits(self.model, hidden.index_select(0, idx))  # [A, V]
-            if greedy:
-                tokens[idx, step] = logits.argmax(dim=-1)
-            else:
-                q = process_logits(logits, tensors.select(idx))
-                tokens[idx, step] = sample(q, [gens[b] for b in active], self.shared_generator)
-                probs[idx, step] = q
+            self._pick(plan, step, active, idx, draft_logits(self.model, hidden.index_select(0, idx)), tokens, probs)
+        self._keep(plan, tokens, probs)
 
+    def _pick(self, plan: _DraftPlan, step: int, active: list[int], idx: torch.Tensor, logits: torch.Tensor,
+              tokens: torch.Tensor, probs: torch.Tensor | None) -> None:
+        """The draft tokens of step `step` of the drafting sequences `active` (indices into plan.seqs;
+        idx: the same on the device) from their draft logits [A, V] fp32 -> tokens[idx, step], and
+        probs[idx, step] = the q they were drawn from when sampled. Eager and graphed paths alike."""
+        if plan.greedy:
+            tokens[idx, step] = logits.argmax(dim=-1)
+            return
+        q = process_logits(logits, plan.tensors.select(idx))
+        tokens[idx, step] = sample(q, [plan.gens[b] for b in active], self.shared_generator)
+        probs[idx, step] = q
+
+    def _keep(self, plan: _DraftPlan, tokens: torch.Tensor, probs: torch.Tensor | None) -> None:
+        """Hold tokens [B, >= max steps] (and probs) as each drafting sequence's next drafts."""
         host = tokens.tolist()  # the drafts' host sync
-        for b, seq in enumerate(seqs):
-            self.drafts[seq.seq_id] = Draft(host[b][: steps[b]], None if probs is None else probs[b, : steps[b]])
+        for b, (seq, k) in enumerate(zip(plan.seqs, plan.steps)):
+            self.drafts[seq.seq_id] = Draft(host[b][:k], None if probs is None else probs[b, :k])
+
+    def _draft_graphs(self) -> DraftGraphs | None:
+        """The draft graphs over the runner's graphs (None: the runner runs eagerly)."""
+        graphs = self.runner.graphs
+        if graphs is None:
+            return None
+        if self._graphs is None or self._graphs.graphs is not graphs:
+            self._graphs = DraftGraphs(self, graphs)
+        return self._graphs
+
+
+@dataclass
+class _DraftPlan:
+    """Who drafts after one step, decided on the host before any MTP step runs: plan.seqs[b] is
+    member plan.members[b] of propose() and drafts plan.steps[b] tokens."""
+
+    members: list[int]
+    seqs: list[Seq]
+    steps: list[int]
+    greedy: bool  # every draft is an argmax (no sampling between draft steps)
+    tensors: SamplingTensors | None  # the drafting requests' sampling settings
+    gens: list[torch.Generator | None]
+
+
+# ------------------------------------------------------------------------------ draft graphs
+class DraftGraphs:
+    """propose() as graphs: MTP step 1 over the positions each sequence computed, then draft steps
+    2 .. γ, for B sequences of at most q = γ + 1 computed positions (so: after a decode step),
+    keyed ("draft", batch bucket, key bucket, which) in the runner's `StepGraphs`.
+
+    Granularity. With greedy drafts (greedy requests, or the target-only acceptance) nothing
+    between two draft steps is decided on the host: step 1 and steps 2 .. γ with their argmax are
+    one graph (which = "loop"), one launch for the whole draft loop — what speculation at batch 1
+    needs, where every eager kernel launch costs more than its work. Sampled drafts go through each
+    request's sampling pipeline and its own torch.Generator between steps, which a graph cannot
+    replay: then each draft step j is a graph (which = j; per step index, since each reads its own
+    row of the per-step metadata uploaded once before step 1), and the sampling runs eagerly between
+    replays, writing the token the next graph embeds into a static buffer (no host sync). Step 1
+    alone (which = 0) also serves a step in which no sequence drafts.
+
+    Rows. Sequence b's computed positions are rows b·q .. of `batch` (padding rows after them);
+    its last one feeds the draft steps. Every graph computes every step for all B rows: a sequence
+    whose drafts end earlier (or that drafts nothing) keeps computing, but from then on writes
+    nothing (slot -1) and its tokens are dropped, as the eager loop never computes them. KVShare
+    steps write and select nothing; baseline steps write at pos0 + j - 1 and index up to there.
+
+    State between graphs (hidden, top-k, tokens) and each step's logits live in static buffers
+    allocated outside the graphs' memory pool."""
+
+    def __init__(self, spec: SpecDecoder, graphs: StepGraphs):
+        runner, cfg = spec.runner, spec.model.cfg
+        self.spec, self.graphs, self.runner = spec, graphs, runner
+        self.gamma = gamma = spec.config.num_speculative_tokens
+        self.q = gamma + 1
+        self.kv_share = spec.config.kv_share
+        n, dev = graphs.max_num_seqs, runner.device
+        self.batch = graphs.static_batch("draft", self.q)  # step 1: input_ids are the next tokens
+        self.hidden_in = torch.zeros(n * self.q, cfg.hidden_size, dtype=spec.model.dtype, device=dev)  # step 1's h
+        self.last_rows = torch.zeros(n, dtype=torch.long, device=dev)  # row of each sequence's last position
+        self.hidden = torch.zeros(n, cfg.hidden_size, dtype=spec.model.dtype, device=dev)  # fed from step to step
+        self.topk = torch.full((n, cfg.index_topk), -1, dtype=torch.int32, device=dev)  # step 1's, for KVShare
+        self.tokens = torch.zeros(n, gamma, dtype=torch.long, device=dev)  # tokens[:, j]: step j + 1's draft
+        # draft steps 2 .. γ: row j - 1 of each is step j + 1's (pos0 + j)
+        self.positions = torch.zeros(gamma - 1, n, dtype=torch.long, device=dev)
+        self.slots = torch.full((gamma - 1, n), -1, dtype=torch.long, device=dev)
+        self.key_len = torch.zeros(gamma - 1, n, dtype=torch.int32, device=dev)
+        self.seq_idx = torch.arange(n, dtype=torch.int32, device=dev)
+
+    def run(self, members: list[tuple[Seq, int, int]], hidden: torch.Tensor, rows: list[int],
+            plan: _DraftPlan) -> bool:
+        """propose()'s MTP steps from graphs: members (sequence, chunk start, positions computed),
+        hidden [T, D] of the step, rows [Σ computed] of the computed positions in it. Holds the
+        drafts of plan.seqs and returns True; False (nothing run) when no graph fits."""
+        q, device = self.q, self.runner.device
+        if any(n > q for _, _, n in members):
+            return False
+        pos0 = [start + n - 1 for _, start, n in members]  # each sequence's last computed position
+        steps = [0] * len(members)
+        for m, k in zip(plan.members, plan.steps):
+            steps[m] = k
+        max_keys = max(pos0) + 1
+        if not self.kv_share:  # baseline step j + 1 reads keys up to pos0 + j
+            max_keys = max(max_keys, max(p + k for p, k in zip(pos0, steps)))
+        buckets = self.graphs.bucket(len(members), max_keys)
+        if buckets is None:
+            return False
+        bs, keys = buckets
+        loop = bool(plan.seqs) and plan.greedy
+        # capture first: a capture clears the static inputs
+        which = ["loop"] if loop else list(range(max(plan.steps, default=1)))
+        graphs = [self.graphs.captured(("draft", bs, keys, w), lambda w=w: self._build(bs, keys, w), self._clear)
+                  for w in which]
+
+        table = host_block_table([seq.block_table for seq, _, _ in members], bs)
+        filled = self.batch.fill(table, [start for _, start, _ in members],
+                                 [seq.token_ids[start + 1 : start + n + 1] for seq, start, n in members])
+        self.hidden_in.index_copy_(0, filled.to(device, non_blocking=True),
+                                   hidden.index_select(0, torch.tensor(rows, device=device)))
+        last = torch.arange(bs) * q
+        last[: len(members)] += torch.tensor([n - 1 for _, _, n in members])
+        self.last_rows[:bs].copy_(last, non_blocking=True)
+        if self.gamma > 1:
+            first = torch.zeros(bs, dtype=torch.long)
+            first[: len(members)] = torch.tensor(pos0)
+            j = torch.arange(1, self.gamma)[:, None]
+            pos = first[None] + j  # [γ - 1, bs]
+            self.positions[:, :bs].copy_(pos, non_blocking=True)
+            if not self.kv_share:
+                active = j < torch.tensor(steps + [0] * (bs - len(members)))[None]  # [γ - 1, bs]
+                self.slots[:, :bs].copy_(torch.where(active, slots_of(table, pos.T).T, -1), non_blocking=True)
+                self.key_len[:, :bs].copy_(torch.where(active, pos + 1, 0).int(), non_blocking=True)
+
+        if not plan.seqs:
+            graphs[0].replay()
+            return True
+        member_rows = torch.tensor(plan.members, device=device)
+        if loop:
+            graphs[0].replay()
+            self.spec._keep(plan, self.tokens.index_select(0, member_rows), None)
+            return True
+        tokens = torch.zeros(len(plan.seqs), max(plan.steps), dtype=torch.long, device=device)
+        probs = torch.zeros(len(plan.seqs), max(plan.steps), self.spec.vocab_size, device=device)
+        for step, graph in enumerate(graphs):
+            graph.replay()
+            active = [b for b in range(len(plan.seqs)) if plan.steps[b] > step]
+            idx = torch.tensor(active, device=device)
+            self.spec._pick(plan, step, active, idx, graph.outputs.index_select(0, member_rows[idx]), tokens, probs)
+            if step + 1 < len(graphs):
+                self.tokens[member_rows[idx], step] = tokens[idx, step]  # what the next graph embeds
+        self.spec._keep(plan, tokens, probs)
+        return True
+
+    def _clear(self) -> None:
+        self.batch.clear()
+        self.slots.fill_(-1)
+        self.key_len.zero_()
+
+    def _build(self, bs: int, max_keys: int, which: int | str) -> Callable[[], torch.Tensor | None]:
+        if which != "loop":
+            return self._step(bs, max_keys, which)
+        steps = [self._step(bs, max_keys, j) for j in range(self.gamma)]
+
+        def loop() -> None:
+            for j, step in enumerate(steps):
+                self.tokens[:bs, j].copy_(step().argmax(dim=-1))
+
+        return loop
+
+    def _step(self, bs: int, max_keys: int, j: int) -> Callable[[], torch.Tensor]:
+        """Draft step j + 1 over the first bs rows -> its draft logits [bs, V] fp32."""
+        runner, model = self.runner, self.spec.model
+        first = self.batch.view(bs, max_keys)
+        hidden, topk, logits = self.hidden[:bs], self.topk[:bs], self.graphs.output("logits", bs, model.cfg.vocab_size)
+        tokens = self.tokens[:bs, j - 1] if j else None  # what the step embeds: the previous step's drafts
+        if j == 0:
+            rows, last = bs * self.q, self.last_rows[:bs]
+
+            def step() -> torch.Tensor:
+                out, selected = mtp_forward(runner, self.hidden_in[:rows], self.batch.input_ids[:rows], first,
+                                            first.positions)
+                hidden.copy_(out.index_select(0, last))
+                topk.copy_(selected.index_select(0, last))
+                return logits.copy_(draft_logits(model, hidden))
+        elif self.kv_share:
+            positions = self.positions[j - 1, :bs]
+
+            def step() -> torch.Tensor:  # `first` only names the cache: nothing is written or selected
+                out, _ = mtp_forward(runner, hidden, tokens, first, positions, topk=topk, write_kv=False)
+                hidden.copy_(out)
+                return logits.copy_(draft_logits(model, hidden))
+        else:
+            batch = PagedBatch(self.positions[j - 1, :bs], self.slots[j - 1, :bs], self.seq_idx[:bs],
+                               self.key_len[j - 1, :bs], self.batch.block_table[:bs],
+                               torch.full((bs,), max_keys, dtype=torch.int32))
+
+            def step() -> torch.Tensor:
+                out, _ = mtp_forward(runner, hidden, tokens, batch, batch.positions)
+                hidden.copy_(out)
+                return logits.copy_(draft_logits(model, hidden))
+        return step
