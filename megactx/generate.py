@@ -5,9 +5,10 @@ reason).
     megactx generate --prompt "def fib(n):" --max-tokens 64 --temperature 0
     echo "Hello" | megactx generate --prompt - --chat
 
-Without --model there is no trained model yet: a random `tiny` checkpoint is made once (a few
-seconds) and cached under $XDG_CACHE_HOME/megactx/random-tiny (default ~/.cache/megactx); its
-output is noise, but it runs the whole engine. The shipped trained model becomes the default later.
+Without --model it uses the shipped megactx-tiny model (models/megactx-tiny in the repository,
+see megactx.models). An install without the repository has no model: then a random `tiny`
+checkpoint is made once (a few seconds) and cached under $XDG_CACHE_HOME/megactx/random-tiny
+(default ~/.cache/megactx); its output is noise, but it runs the whole engine.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -32,7 +34,7 @@ DTYPES = {"auto": None, "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "flo
 # SamplingParams names a bad field in the first word of its ValueError; a person typed the flag.
 FLAG_OF_FIELD = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "seed": "--seed",
                  "max_tokens": "--max-tokens", "stop": "--stop"}
-NO_TRAINED_MODEL = "no trained model yet: using random weights, output is noise"
+NO_TRAINED_MODEL = "no trained model here: using random weights, output is noise"
 
 
 # ------------------------------------------------------------------------------ the default model
@@ -68,15 +70,21 @@ def random_checkpoint(root: Path | None = None, log: Callable[[str], object] | N
 
 
 def resolve_model(model: str | None, log: Callable[[str], object]) -> tuple[Path, bool]:
-    """(checkpoint directory, whether it has random weights): `model` as given, or the cached
+    """(checkpoint directory, whether it has random weights): `model` as given; else the shipped
+    megactx-tiny (`megactx.models.shipped_model`); else, in an install without it, the cached
     random checkpoint, announced through `log` with the warning that its output is noise."""
+    from megactx.models import shipped_model, shipped_model_missing
+
     if model is not None:
         if not Path(model).is_dir():
             raise FileNotFoundError(f"--model {model} is not a checkpoint directory (config.json, *.safetensors, "
                                     "tokenizer.json)")
         return Path(model), False
+    shipped = shipped_model()
+    if shipped is not None:
+        return shipped, False
     path = random_checkpoint(log=log)
-    log(f"{NO_TRAINED_MODEL} ({path}); pass --model PATH for a real checkpoint")
+    log(f"{NO_TRAINED_MODEL} ({path}): {shipped_model_missing()}; pass --model PATH for a real checkpoint")
     return path, True
 
 
@@ -130,8 +138,8 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--prompt", required=True,
                    help="the prompt text; '-' reads it from stdin (less one trailing newline, which echo adds)")
     p.add_argument("--model", default=None,
-                   help="checkpoint directory (config.json + *.safetensors + tokenizer.json); default: a cached "
-                        "random tiny checkpoint (no trained model yet)")
+                   help="checkpoint directory (config.json + *.safetensors + tokenizer.json); default: the shipped "
+                        "megactx-tiny (models/megactx-tiny), or without it a cached random tiny checkpoint")
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help=f"tokens to generate at most (default {DEFAULT_MAX_TOKENS})")
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
@@ -147,7 +155,28 @@ def add_generate_parser(sub) -> None:
                    help="weights and activations (default auto: bf16 on a GPU, fp32 on a CPU)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context the KV cache is sized for (default: prompt + --max-tokens, at most the model's)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads on a CPU (default 1: a small model's ops are too small to split; raise it "
+                        "for a large checkpoint)")
     p.set_defaults(func=run_generate)
+
+
+@contextmanager
+def cpu_threads(num_threads: int, device: str) -> Iterator[None]:
+    """Run the block on `num_threads` torch threads when `device` is a CPU, restoring the count
+    after. A tiny model's ops are too small to split: with several threads they spin against each
+    other (and against other processes), which on a busy 2-core machine makes decoding 20x slower."""
+    import torch
+
+    if torch.device(device).type != "cpu":
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def read_prompt(value: str, stdin: TextIO) -> str:
@@ -225,6 +254,8 @@ def run_generate(args: argparse.Namespace, stdin: TextIO | None = None, stdout: 
             raise ValueError(f"--max-model-len must be at least 2 tokens (a prompt token + a generated one), "
                              f"got {args.max_model_len}")
         device, dtype = _torch_settings(args)
+        if args.threads < 1:
+            raise ValueError(f"--threads must be at least 1, got {args.threads}")
         prompt = read_prompt(args.prompt, stdin)
         if not prompt:
             raise ValueError("--prompt is empty" + (" (stdin had no text)" if args.prompt == "-" else ""))
@@ -249,11 +280,12 @@ def run_generate(args: argparse.Namespace, stdin: TextIO | None = None, stdout: 
         prompt_ids = tokenizer.encode(prompt)
         max_model_len = context_length(len(prompt_ids), params.max_tokens, cfg.max_position_embeddings,
                                        args.max_model_len)
-        start = time.perf_counter()
-        llm = LLM(path, device=device, dtype=dtype, max_model_len=max_model_len, max_num_seqs=1)
-        dtype_name = str(llm.model.dtype).removeprefix("torch.")
-        say(f"loaded {path} on {llm.device} ({dtype_name}) in {time.perf_counter() - start:.1f} s")
-        done = stream_completion(llm, prompt_ids, params, stdout)
+        with cpu_threads(args.threads, device):
+            start = time.perf_counter()
+            llm = LLM(path, device=device, dtype=dtype, max_model_len=max_model_len, max_num_seqs=1)
+            dtype_name = str(llm.model.dtype).removeprefix("torch.")
+            say(f"loaded {path} on {llm.device} ({dtype_name}) in {time.perf_counter() - start:.1f} s")
+            done = stream_completion(llm, prompt_ids, params, stdout)
     except (OSError, ValueError) as e:  # a missing file, a ConfigError, a prompt longer than the context
         return fail(str(e))
     except KeyboardInterrupt:

@@ -1,16 +1,14 @@
+"""The command line: --help, the engine's and SamplingParams' errors, and `megactx serve` choosing
+its model (--model, else the shipped megactx-tiny, else an error saying how to pass one). The demo's
+tests are in test_demo.py, generate's in test_generate.py."""
+
 import pytest
+import torch
 
 from megactx import LLM, SamplingParams
 from megactx.cli import main
-
-
-def test_demo_runs_and_shows_indexshare(capsys):
-    assert main(["demo", "--seqlen", "80"]) == 0
-    out = capsys.readouterr().out
-    assert "IndexShare removes 57" in out
-    assert "top-k of layer 2" in out and "FFFSSSFS" in out
-    # the engine (with and without MTP speculation) reproduces the reference's greedy tokens
-    assert out.count("equal to the reference's greedy tokens: True") == 2
+from megactx.serve import CPU_MAX_MODEL_LEN
+from megactx.testing import make_random_checkpoint
 
 
 def test_help_lists_the_commands(capsys):
@@ -30,3 +28,31 @@ def test_engine_names_a_missing_checkpoint(tmp_path):
 def test_sampling_params_refuse_out_of_range_values(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         SamplingParams(**bad)
+
+
+def test_serve_without_a_model_or_the_shipped_one_says_how_to_pass_one(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("megactx.models.SHIPPED_MODEL_DIR", tmp_path / "absent")
+    assert main(["serve"]) == 2
+    err = capsys.readouterr().err
+    assert "megactx serve: error: no --model given" in err
+    assert f"megactx-tiny model is not at {tmp_path / 'absent'}" in err and "--model PATH is required" in err
+
+
+def test_serve_defaults_to_the_shipped_model(tmp_path, monkeypatch):
+    shipped = make_random_checkpoint(tmp_path / "megactx-tiny", vocab_size=512, num_hidden_layers=2,
+                                     first_k_dense_replace=1, dtype=torch.float32)
+    monkeypatch.setattr("megactx.models.SHIPPED_MODEL_DIR", shipped)
+    served = {}
+
+    def build_app(llm, served_model_name, max_queued_requests):
+        served.update(llm=llm, name=served_model_name)
+        return "app"
+
+    monkeypatch.setattr("megactx.serve.api.build_app", build_app)
+    monkeypatch.setattr("uvicorn.run", lambda app, **kwargs: served.update(app=app, **kwargs))
+    assert main(["serve", "--device", "cpu", "--max-num-seqs", "1", "--port", "8123"]) == 0
+    assert served["name"] == "megactx-tiny" and served["app"] == "app" and served["port"] == 8123
+    assert served["llm"].cfg.num_hidden_layers == 2 and served["llm"].tokenizer is not None
+    assert served["llm"].max_model_len == CPU_MAX_MODEL_LEN  # not the model's 65536 positions, on a CPU
+    assert main(["serve", "--device", "cpu", "--max-num-seqs", "1", "--max-model-len", "128"]) == 0
+    assert served["llm"].max_model_len == 128

@@ -1,6 +1,7 @@
 """`megactx generate`: what it streams is the model's completion (checked against step-by-step
 greedy decoding with the reference model), --chat / --stop / --prompt - do what they say, bad flags
-fail with the flag named, and without --model it makes, caches and announces a random checkpoint."""
+fail with the flag named, and without --model it uses the shipped megactx-tiny, or where that is
+absent makes, caches and announces a random checkpoint."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from megactx.cli import main
 from megactx.engine.tokenizer import Tokenizer
 from megactx.generate import NO_TRAINED_MODEL, context_length, random_checkpoint, read_prompt, resolve_model
 from megactx.model import load_model
+from megactx.models import shipped_model
 from megactx.testing import make_random_checkpoint
 
 PROMPT = "def fib(n):"
@@ -96,6 +98,7 @@ def test_prompt_dash_reads_stdin(ckpt, capsys, monkeypatch):
     (["--max-model-len", "1"], "--max-model-len"),
     (["--max-tokens", "100000"], "--max-tokens"),  # past the tiny model's 65536 positions
     (["--max-model-len", "8", "--max-tokens", "16"], "--max-tokens"),
+    (["--threads", "0"], "--threads"),
 ])
 def test_bad_flags_fail_with_the_flag_named(ckpt, capsys, flags, named):
     code, out, err = _generate(capsys, "--model", str(ckpt), "--prompt", PROMPT, *flags)
@@ -129,14 +132,35 @@ def test_context_length_fits_the_request_or_refuses_it():
         context_length(1, 1, model_len=100, max_model_len=200)
 
 
-def test_without_a_model_a_random_checkpoint_is_made_once_and_announced(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+def test_without_a_model_the_shipped_model_is_the_default(ckpt, monkeypatch, capsys):
+    monkeypatch.setattr("megactx.models.SHIPPED_MODEL_DIR", ckpt)
+    said: list[str] = []
+    assert resolve_model(None, said.append) == (ckpt, False) and said == []
+    assert resolve_model(str(ckpt.parent), said.append) == (ckpt.parent, False)  # --model wins
+    code, out, err = _generate(capsys, "--prompt", PROMPT, "--max-tokens", "2", "--device", "cpu")
+    assert code == 0 and f"loaded {ckpt} on cpu" in err and NO_TRAINED_MODEL not in err
+
+
+def test_the_shipped_model_counts_as_absent_without_its_config(ckpt, tmp_path, monkeypatch):
+    monkeypatch.setattr("megactx.models.SHIPPED_MODEL_DIR", ckpt)
+    assert shipped_model() == ckpt
+    half = tmp_path / "megactx-tiny"
+    half.mkdir()
+    (half / "model.safetensors").symlink_to(ckpt / "model.safetensors")
+    monkeypatch.setattr("megactx.models.SHIPPED_MODEL_DIR", half)
+    assert shipped_model() is None
+
+
+def test_without_a_model_or_the_shipped_one_a_random_checkpoint_is_made_once_and_announced(tmp_path, monkeypatch):
+    monkeypatch.setattr("megactx.models.SHIPPED_MODEL_DIR", tmp_path / "absent")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     said: list[str] = []
     path, random_weights = resolve_model(None, said.append)
-    assert random_weights and path == tmp_path / "megactx" / "random-tiny"
+    assert random_weights and path == tmp_path / "cache" / "megactx" / "random-tiny"
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
         f.name for f in path.iterdir()}
     assert any("making" in s for s in said) and any(NO_TRAINED_MODEL in s for s in said)
+    assert any(f"megactx-tiny model is not at {tmp_path / 'absent'}" in s for s in said)
     assert [p.name for p in path.parent.iterdir()] == ["random-tiny"]  # no temporary directory left behind
     said.clear()
     weights = (path / "model.safetensors").stat().st_mtime_ns

@@ -15,9 +15,13 @@ from pathlib import Path
 
 DESCRIPTION = """`megactx serve`: an OpenAI-compatible HTTP server over the engine.
 
+    megactx serve --port 8000                     # the shipped megactx-tiny model
     megactx serve --model path/to/checkpoint --port 8000
     curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
-         -d '{"model": "checkpoint", "prompt": "def fib(n):", "max_tokens": 32}'
+         -d '{"model": "megactx-tiny", "prompt": "def fib(n):", "max_tokens": 32}'
+
+Without --model it serves the shipped megactx-tiny (models/megactx-tiny in the megactx repository);
+an install without the repository has no model, and --model is then required.
 
 Routes: /v1/completions and /v1/chat/completions (SSE streaming with "stream": true), /v1/models,
 /health, /metrics (Prometheus). The model name clients send is --served-model-name (default: the
@@ -34,6 +38,9 @@ prompt and output tokens, time to first token, latency).
 
 DEFAULT_MAX_QUEUED_REQUESTS = 256  # sequences waiting beyond the running batch before a 503
 DTYPES = ("auto", "bfloat16", "float16", "float32")  # auto: bfloat16 on CUDA, float32 on a CPU
+# default context on a CPU: the shipped model's 1M positions do not fit the CPU cache budget, and a
+# CPU takes minutes to prefill even 32K tokens with the kernels' PyTorch twins
+CPU_MAX_MODEL_LEN = 32768
 
 
 def add_serve_parser(subparsers) -> None:
@@ -46,15 +53,16 @@ def add_serve_parser(subparsers) -> None:
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, SSE, metrics)",
                               description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="checkpoint directory (config.json, *.safetensors, tokenizer.json with a chat "
-                                   "template). Required for now; once megactx ships its trained tiny model, that "
-                                   "model becomes the default")
+                                   "template) (default: the shipped megactx-tiny, models/megactx-tiny in the "
+                                   "repository)")
     p.add_argument("--served-model-name", help="the name clients pass as `model` (default: the checkpoint "
                                                "directory's name)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only; "
                                                        "0.0.0.0 listens on every interface)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--max-model-len", type=int, default=defaults["max_model_len"],
-                   help="longest context, prompt + output, in tokens (default: the model's max_position_embeddings)")
+                   help="longest context, prompt + output, in tokens (default: the model's max_position_embeddings, "
+                        f"on a CPU at most {CPU_MAX_MODEL_LEN})")
     p.add_argument("--max-num-seqs", type=int, default=defaults["max_num_seqs"],
                    help="sequences the running batch holds at once (default %(default)s)")
     p.add_argument("--max-num-batched-tokens", type=int, default=defaults["max_num_batched_tokens"],
@@ -74,7 +82,7 @@ def add_serve_parser(subparsers) -> None:
                         "past that, new requests get 503 with Retry-After (default %(default)s)")
     p.add_argument("--num-speculative-tokens", type=int, default=defaults["num_speculative_tokens"],
                    help="tokens the checkpoint's MTP layer drafts a step, verified in one target forward; 0 = off "
-                        "(default %(default)s until megactx ships a trained MTP checkpoint; 7 suits GLM-5.x)")
+                        "(default %(default)s; 7 suits megactx-tiny and GLM-5.x, whose MTP layers are trained)")
     p.add_argument("--mtp-mode", choices=MTP_MODES, default=defaults["mtp_mode"],
                    help="draft steps >= 2: kvshare (IndexShare + KVShare: reuse step 1's top-k and KV, write "
                         "nothing), baseline (each step indexes and writes its own KV), auto (the checkpoint's "
@@ -93,19 +101,41 @@ def _fail(message: str) -> int:
     return 2
 
 
+def _max_model_len(path: Path, args: argparse.Namespace) -> int | None:
+    """--max-model-len, or on a CPU the model's context capped at CPU_MAX_MODEL_LEN; None: the
+    engine's default (the model's context)."""
+    import torch
+
+    from megactx.config import ModelConfig
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        on_cpu = torch.device(device).type == "cpu"
+    except RuntimeError:  # a bad --device: the engine says so
+        on_cpu = False
+    if args.max_model_len is not None or not on_cpu:
+        return args.max_model_len
+    return min(ModelConfig.from_pretrained(path).max_position_embeddings, CPU_MAX_MODEL_LEN)
+
+
 def run_serve(args: argparse.Namespace) -> int:
-    """Load the model, then serve until SIGTERM / Ctrl-C. Returns 2 (with a message) for bad flags."""
-    if args.model is None:
-        return _fail("--model PATH is required: there is no default model yet (the shipped tiny model becomes "
-                     "the default once it exists). Make a random test checkpoint with "
-                     "`python -c 'from megactx.testing import make_random_checkpoint as m; m(\"tiny-random\")'`")
+    """Load the model (--model, else the shipped one), then serve until SIGTERM / Ctrl-C. Returns 2
+    (with a message) for bad flags or no model."""
+    from megactx.models import shipped_model, shipped_model_missing
+
     if args.num_speculative_tokens < 0:
         return _fail(f"--num-speculative-tokens must be >= 0 (0 = off), got {args.num_speculative_tokens}")
     if args.max_queued_requests < 0:
         return _fail(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
-    path = Path(args.model)
+    model = args.model or shipped_model()
+    if model is None:
+        return _fail(f"no --model given, and {shipped_model_missing()}: --model PATH is required, a checkpoint "
+                     "directory (config.json, *.safetensors, tokenizer.json); for a random test checkpoint, make "
+                     "one with `python -c 'from megactx.testing import make_random_checkpoint as m; "
+                     "m(\"tiny-random\")'` and pass --model tiny-random")
+    path = Path(model)
     if not (path / "config.json").is_file():
-        return _fail(f"--model {args.model}: no config.json there; pass a Hugging Face checkpoint directory")
+        return _fail(f"--model {model}: no config.json there; pass a Hugging Face checkpoint directory")
 
     import torch
     import uvicorn
@@ -116,7 +146,7 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         llm = LLM(path, device=args.device, dtype=None if args.dtype == "auto" else getattr(torch, args.dtype),
-                  kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
+                  kv_cache_dtype=args.kv_cache_dtype, max_model_len=_max_model_len(path, args),
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   gpu_memory_utilization=args.gpu_memory_utilization,
                   num_speculative_tokens=args.num_speculative_tokens, mtp_mode=args.mtp_mode,
