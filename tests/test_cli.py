@@ -54,5 +54,7 @@ def test_serve_defaults_to_the_shipped_model(tmp_path, monkeypatch):
     assert served["name"] == "megactx-tiny" and served["app"] == "app" and served["port"] == 8123
     assert served["llm"].cfg.num_hidden_layers == 2 and served["llm"].tokenizer is not None
     assert served["llm"].max_model_len == CPU_MAX_MODEL_LEN  # not the model's 65536 positions, on a CPU
-    assert main(["serve", "--device", "cpu", "--max-num-seqs", "1", "--max-model-len", "128"]) == 0
-    assert served["llm"].max_model_len == 128
+    assert served["llm"].spec.config.num_speculative_tokens == 7  # the checkpoint has an MTP layer
+    assert main(["serve", "--device", "cpu", "--max-num-seqs", "1", "--max-model-len", "128",
+                 "--num-speculative-tokens", "0"]) == 0
+    assert served["llm"].max_model_len == 128 and served["llm"].spec is None

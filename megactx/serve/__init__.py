@@ -37,6 +37,7 @@ prompt and output tokens, time to first token, latency).
 """
 
 DEFAULT_MAX_QUEUED_REQUESTS = 256  # sequences waiting beyond the running batch before a 503
+DEFAULT_NUM_SPECULATIVE_TOKENS = 7  # γ of GLM-5.x's MTP training and of megactx-tiny's
 DTYPES = ("auto", "bfloat16", "float16", "float32")  # auto: bfloat16 on CUDA, float32 on a CPU
 # default context on a CPU: the shipped model's 1M positions do not fit the CPU cache budget, and a
 # CPU takes minutes to prefill even 32K tokens with the kernels' PyTorch twins
@@ -80,9 +81,10 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
                    help="sequences (a request with n completions counts n) that may wait beyond --max-num-seqs; "
                         "past that, new requests get 503 with Retry-After (default %(default)s)")
-    p.add_argument("--num-speculative-tokens", type=int, default=defaults["num_speculative_tokens"],
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="tokens the checkpoint's MTP layer drafts a step, verified in one target forward; 0 = off "
-                        "(default %(default)s; 7 suits megactx-tiny and GLM-5.x, whose MTP layers are trained)")
+                        f"(default: {DEFAULT_NUM_SPECULATIVE_TOKENS} when the checkpoint has an MTP layer, as "
+                        "megactx-tiny and GLM-5.x do, else 0)")
     p.add_argument("--mtp-mode", choices=MTP_MODES, default=defaults["mtp_mode"],
                    help="draft steps >= 2: kvshare (IndexShare + KVShare: reuse step 1's top-k and KV, write "
                         "nothing), baseline (each step indexes and writes its own KV), auto (the checkpoint's "
@@ -123,7 +125,7 @@ def run_serve(args: argparse.Namespace) -> int:
     (with a message) for bad flags or no model."""
     from megactx.models import shipped_model, shipped_model_missing
 
-    if args.num_speculative_tokens < 0:
+    if args.num_speculative_tokens is not None and args.num_speculative_tokens < 0:
         return _fail(f"--num-speculative-tokens must be >= 0 (0 = off), got {args.num_speculative_tokens}")
     if args.max_queued_requests < 0:
         return _fail(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
@@ -140,16 +142,21 @@ def run_serve(args: argparse.Namespace) -> int:
     import torch
     import uvicorn
 
+    from megactx.config import ModelConfig
     from megactx.engine.llm import LLM
     from megactx.serve.api import build_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    gamma = args.num_speculative_tokens
     try:
+        if gamma is None:
+            has_mtp = ModelConfig.from_pretrained(path).num_nextn_predict_layers > 0
+            gamma = DEFAULT_NUM_SPECULATIVE_TOKENS if has_mtp else 0
         llm = LLM(path, device=args.device, dtype=None if args.dtype == "auto" else getattr(torch, args.dtype),
                   kv_cache_dtype=args.kv_cache_dtype, max_model_len=_max_model_len(path, args),
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   gpu_memory_utilization=args.gpu_memory_utilization,
-                  num_speculative_tokens=args.num_speculative_tokens, mtp_mode=args.mtp_mode,
+                  num_speculative_tokens=gamma, mtp_mode=args.mtp_mode,
                   draft_acceptance=args.draft_acceptance)
     except ValueError as e:
         return _fail(str(e))
