@@ -36,8 +36,8 @@ A CPU run uses one torch thread in every part, the server included: the tiny mod
 nothing from more, and OpenMP threads waiting for a core on a busy machine cost up to 10x
 (--threads changes it).
 
-Without --model there is no trained model yet: a random tiny checkpoint is made and cached (see
-`megactx generate --help`); the figures measure the engine, not the quality of the text. Results:
+Without --model the shipped models/megactx-tiny is used, else a random tiny checkpoint made and
+cached (see `megactx generate --help`); the figures measure the engine, not the quality of the text. Results:
 benchmarks/results/engine-<device>.json, .md, .png.
 """
 
@@ -811,7 +811,7 @@ def write_reports(results: dict[str, Any], out_dir: Path) -> list[Path]:
 # ------------------------------------------------------------------------------ CLI
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
-                   help="checkpoint directory (default: a cached random tiny checkpoint; no trained model yet)")
+                   help="checkpoint directory (default: models/megactx-tiny, else a cached random tiny checkpoint)")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None,
                    help="cuda or cpu (default: cuda when torch sees a GPU); sizes default by device, see above")
     p.add_argument("--quick", action="store_true", help="batches 1 and 16, fewer tokens and requests")

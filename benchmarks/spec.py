@@ -35,8 +35,9 @@ Prompts, windows of held-out code starting at line starts: with --data-dir (a di
 by megactx.train.data, with the tokenizer the checkpoint was trained with), of its held-out split;
 else, for a --model holding tokenizer.json, of the held-out files of this interpreter's stdlib
 (megactx.train.corpus) tokenized with that tokenizer; else (the random checkpoint) random token
-ids. Without --model a random tiny checkpoint is used: its acceptance lengths are meaningless (its
-MTP layer drafts noise), and only the engine's mechanics are measured.
+ids. Without --model the shipped models/megactx-tiny is used; where it is absent, a random tiny
+checkpoint, whose acceptance lengths are meaningless (its MTP layer drafts noise): only the engine's
+mechanics are measured then.
 
 Targets (the issue's, on the shipped trained model on a GPU): >= 2x output tokens/s at batch 1 over
 no speculation (the best γ of the top measured rung); each measured rung's acceptance length at
@@ -682,8 +683,8 @@ def write_reports(results: dict[str, Any], out_dir: Path) -> list[Path]:
 # ------------------------------------------------------------------------------ CLI
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
-                   help=f"checkpoint directory with an MTP layer (default: a cached random tiny checkpoint; "
-                        f"{RANDOM_WEIGHTS_NOTE})")
+                   help=f"checkpoint directory with an MTP layer (default: models/megactx-tiny, else a cached "
+                        f"random tiny checkpoint: {RANDOM_WEIGHTS_NOTE})")
     p.add_argument("--data-dir", default=None,
                    help="a megactx.train.data directory: prompts are its held-out code (default: held-out stdlib "
                         "code in the checkpoint's tokenizer; random token ids for the random checkpoint)")
