@@ -522,8 +522,9 @@ def tiny_recipe() -> Recipe:
 
     Tokens: dense 600 × 16 × 2048 ≈ 20M (code ~4 passes over the corpus, ~19K needle tasks),
     warm-up 3.3M, sparse 300 × 8 × 4096 ≈ 10M, extend 100 × 64K ≈ 6.6M, MTP 100 × 16 × 2048 +
-    150 × 8 × 4096 ≈ 8M (the backbone frozen; the pipeline trains three MTP variants at once). max_position_embeddings is 1M so that the needle evaluation may run past the
-    trained length. Scale the steps with `megactx train --steps-scale`."""
+    150 × 8 × 4096 ≈ 8M (the backbone frozen; the pipeline trains three MTP variants at once).
+    max_position_embeddings is 1M so that the needle evaluation may run past the trained length.
+    Scale the steps with `megactx train --steps-scale`."""
     model = ModelConfig.from_pretrained("tiny").replace(index_topk=128, index_topk_pattern="FSSSFSSS",
                                                         max_position_embeddings=1 << 20)
 
