@@ -1,7 +1,9 @@
 """`megactx serve` against the official `openai` client on loopback: what the server returns equals
 what the offline engine (`LLM.generate`) makes for the same prompt and sampling settings —
 completions and chat, streamed and not, with stop strings, logprobs, seeds and n concurrent
-streams — and bad input, disconnects, overload and SIGTERM behave as documented.
+streams — a stream that falls behind (here: a server with a tiny event budget) gets the same text,
+logprobs, finish reasons and usage in fewer events, and bad input, disconnects, overload and
+SIGTERM behave as documented.
 
 One server runs in-process (uvicorn in a thread) on a random checkpoint, on the CPU; the SIGTERM
 test starts `python -m megactx serve` as a subprocess; a GPU test serves through the Triton kernels."""
@@ -18,6 +20,7 @@ import threading
 import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -27,7 +30,16 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from megactx import LLM, SamplingParams
 from megactx.cli import main as cli_main
-from megactx.serve.api import RETRY_AFTER_S, build_app
+from megactx.engine.llm import Delta, EngineStats, TokenLogprobs
+from megactx.serve.api import RETRY_AFTER_S, ChunkEncoder, _sse, build_app
+from megactx.serve.async_engine import AsyncEngine, EngineDead, merge_deltas
+from megactx.serve.protocol import (
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatDelta,
+    CompletionChoice,
+    CompletionResponse,
+)
 from megactx.testing import make_random_checkpoint
 
 MODEL = "tiny-random"  # the checkpoint directory's name, which `megactx serve` serves it as
@@ -261,6 +273,194 @@ def test_chat_n_streams_every_choice_to_its_end(client):
     assert finished == {0: "length", 1: "length", 2: "length"}
 
 
+# ---------------------------------------------------------------------------- coalescing
+@pytest.fixture(scope="module")
+def paced_client(checkpoint):
+    """A second server with an event budget of one hand-over a second: a stream's deltas between
+    its first and its last go out about once a second, as they do to a consumer slower than the
+    engine, so its events carry several tokens each."""
+    app = build_app(_engine(checkpoint), served_model_name=MODEL, max_queued_requests=MAX_QUEUED,
+                    max_handovers_per_s=1)
+    with _serving(app) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S)
+
+
+def _choice_chunks(chunks, index=0):
+    return [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+
+
+def test_a_slow_stream_gets_fewer_completion_events_with_the_same_text_logprobs_and_usage(client, paced_client):
+    num_tokens = 24
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=num_tokens, temperature=0, logprobs=2, stream=True,
+                  stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    per_token, coalesced = (list(c.completions.create(**kwargs)) for c in (client, paced_client))
+    fast, slow = _choice_chunks(per_token), _choice_chunks(coalesced)
+    assert len(slow) <= num_tokens // 2 < len(fast)
+    assert "".join(c.text for c in slow) == "".join(c.text for c in fast)
+
+    def joined(chunks, field):
+        return sum((getattr(c.logprobs, field) for c in chunks), [])
+
+    for field in ("tokens", "top_logprobs", "text_offset"):  # offsets continue across merged deltas
+        assert joined(slow, field) == joined(fast, field)
+    got, want = joined(slow, "token_logprobs"), joined(fast, "token_logprobs")
+    assert len(got) == num_tokens and max(abs(a - b) for a, b in zip(got, want)) < 1e-5
+    assert [c.finish_reason for c in slow] == [None] * (len(slow) - 1) + ["length"]
+    assert not coalesced[-1].choices and coalesced[-1].usage == per_token[-1].usage
+    assert coalesced[-1].usage.completion_tokens == num_tokens
+
+
+def test_a_slow_chat_stream_gets_fewer_events_with_the_same_content_and_logprobs_per_choice(client, paced_client):
+    num_tokens, n = 16, 2
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=num_tokens, n=n,
+                  temperature=0, logprobs=True, top_logprobs=2, stream=True, stream_options={"include_usage": True},
+                  extra_body={"ignore_eos": True})
+    per_token, coalesced = (list(c.chat.completions.create(**kwargs)) for c in (client, paced_client))
+    assert [c.choices[i].delta.role for c in coalesced[:1] for i in range(n)] == ["assistant"] * n  # the role chunk
+    for index in range(n):
+        fast, slow = _choice_chunks(per_token[1:], index), _choice_chunks(coalesced[1:], index)
+        assert len(slow) <= num_tokens // 2 < len(fast)
+        assert "".join(c.delta.content for c in slow) == "".join(c.delta.content for c in fast)
+        got, want = (sum((c.logprobs.content for c in cs), []) for cs in (slow, fast))
+        assert len(got) == num_tokens and [t.token for t in got] == [t.token for t in want]
+        assert [t.bytes for t in got] == [t.bytes for t in want]
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(got, want)) < 1e-5
+        assert [len(t.top_logprobs) for t in got] == [2] * num_tokens
+        assert [c.finish_reason for c in slow] == [None] * (len(slow) - 1) + ["length"]
+    assert coalesced[-1].usage.completion_tokens == per_token[-1].usage.completion_tokens == n * num_tokens
+
+
+def _delta(i: int, index: int = 0, finish: str | None = None, logprobs: bool = True) -> Delta:
+    lps = [TokenLogprobs(i, -0.5 * i, {i: -0.5 * i, i + 1: -9.0})] if logprobs else None
+    return Delta("r", index, f"t{i} ", [i], lps, finish)
+
+
+def test_merge_deltas_makes_one_delta_a_completion_in_order():
+    batch = [(0, _delta(0)), (0, _delta(1, index=1)), (0, _delta(2)), (1, _delta(3)), (0, _delta(4, finish="stop")),
+             (0, _delta(5, index=1))]
+    merged = merge_deltas(batch)
+    assert [(p, d.index) for p, d in merged] == [(0, 0), (0, 1), (1, 0)]  # each completion's first delta's place
+    first = merged[0][1]
+    assert first.text == "t0 t2 t4 " and first.token_ids == [0, 2, 4] and first.finish_reason == "stop"
+    assert [lp.token_id for lp in first.logprobs] == [0, 2, 4]
+    assert merged[1][1].text == "t1 t5 " and merged[1][1].finish_reason is None
+    assert merged[2][1] is batch[3][1]  # alone: passed through as it is
+    assert merge_deltas(batch[:1]) == batch[:1]
+    no_logprobs = merge_deltas([(0, _delta(0, logprobs=False)), (0, _delta(1, logprobs=False))])
+    assert no_logprobs[0][1].logprobs is None and no_logprobs[0][1].token_ids == [0, 1]
+
+
+class _IdleLLM:
+    """An LLM that admits every request and never steps: a test hands the AsyncEngine its steps."""
+
+    def __init__(self):
+        self.scheduler = SimpleNamespace(config=SimpleNamespace(max_num_seqs=4))
+        self.stats = EngineStats()
+        self.requests: dict[str, SamplingParams] = {}
+
+    def add_request(self, prompt_token_ids, params, request_id):
+        self.requests[request_id] = params
+
+    def abort(self, request_id):
+        self.requests.pop(request_id, None)
+
+    def has_unfinished(self):
+        return False
+
+
+async def _idle_engine_stream(max_handovers_per_s: float):
+    """An AsyncEngine over an _IdleLLM, the stream of its one request "r", and a function that
+    makes a step: step(*deltas) routes them as if the engine thread had made them."""
+    engine = AsyncEngine(_IdleLLM(), max_queued_requests=0, max_handovers_per_s=max_handovers_per_s)
+    engine.start()
+    stream = engine.submit([[1, 2, 3]], [SamplingParams(max_tokens=8)], "r")
+    await stream.admitted()
+
+    def step(*deltas):
+        engine._dispatch(list(deltas), time.perf_counter())
+
+    return engine, stream, step
+
+
+def _token_ids(batch):
+    return [d.token_ids for _, d in batch]
+
+
+def test_a_stream_hands_over_what_waited_at_once_and_paces_the_rest_by_its_budget():
+    async def scenario():
+        # 5 hand-overs a second for steps of one sequence: 200 ms between a stream's hand-overs
+        engine, stream, step = await _idle_engine_stream(max_handovers_per_s=5)
+        loop = asyncio.get_running_loop()
+        batches = stream.batches()
+        for i in range(3):  # the consumer is elsewhere (slow): the deltas wait for it
+            step(_delta(i))
+        assert _token_ids(await anext(batches)) == [[0], [1], [2]]
+        handed_over = loop.time()
+
+        later = asyncio.ensure_future(anext(batches))
+        for i in (3, 4):
+            await asyncio.sleep(0)
+            step(_delta(i))
+        await asyncio.sleep(0.02)
+        assert not later.done()  # not due; and as no step comes, the engine's timer hands them over
+        assert _token_ids(await asyncio.wait_for(later, TIMEOUT_S)) == [[3], [4]]
+        assert loop.time() - handed_over >= 0.19
+        handed_over = loop.time()
+
+        later = asyncio.ensure_future(anext(batches))
+        token = 5
+        while not later.done():  # a step every 20 ms: the first one after the hand-over is due brings it
+            await asyncio.sleep(0.02)
+            step(_delta(token))
+            token += 1
+            await asyncio.sleep(0)
+        assert _token_ids(later.result()) == [[t] for t in range(5, token)] and token - 5 >= 2
+        assert loop.time() - handed_over >= 0.19
+
+        later = asyncio.ensure_future(anext(batches))
+        await asyncio.sleep(0)
+        step(_delta(token, finish="length"))  # a finishing delta goes at once
+        await asyncio.sleep(0)
+        assert later.done() and _token_ids(later.result()) == [[token]]
+        with pytest.raises(StopAsyncIteration):  # and it was the request's last
+            await anext(batches)
+        await engine.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_a_failing_engine_ends_a_stream_after_the_deltas_it_made():
+    async def scenario():
+        engine, stream, step = await _idle_engine_stream(max_handovers_per_s=0)
+        step(_delta(0))
+        engine._fail_all(RuntimeError("simulated device failure"))
+        got = []
+        with pytest.raises(EngineDead, match="simulated device failure"):
+            async for item in stream:
+                got.append(item)
+        assert _token_ids(got) == [[0]]
+        await engine.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_streamed_chunks_are_the_response_models_json_byte_for_byte():
+    logprobs = {"tokens": ["a", "é"], "token_logprobs": [-0.25, -1.5], "top_logprobs": [{"a": -0.25}, {"é": -1.5}],
+                "text_offset": [0, 1]}
+    completion = ChunkEncoder(CompletionResponse, "cmpl-1", 1700000000, 'm"x')
+    for index, text, lps, finish in ((0, 'a "quoted"\nline é \u2028', None, None), (3, "aé", logprobs, "length")):
+        model = CompletionResponse(id="cmpl-1", created=1700000000, model='m"x', choices=[
+            CompletionChoice(index=index, text=text, logprobs=lps, finish_reason=finish)])
+        assert completion.event(index, text, lps, finish) == _sse(model)
+    chat_logprobs = {"content": [{"token": "é", "logprob": -1.5, "bytes": [195, 169],
+                                  "top_logprobs": [{"token": "é", "logprob": -1.5, "bytes": [195, 169]}]}]}
+    chat = ChunkEncoder(ChatCompletionChunk, "chatcmpl-1", 1700000000, "m")
+    for index, text, lps, finish in ((0, "hi", None, None), (1, "", chat_logprobs, "stop")):
+        model = ChatCompletionChunk(id="chatcmpl-1", created=1700000000, model="m", choices=[
+            ChatChunkChoice(index=index, delta=ChatDelta(content=text), logprobs=lps, finish_reason=finish)])
+        assert chat.event(index, text, lps, finish) == _sse(model)
+
+
 # ---------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("body, status, words", [
     ({"prompt": "x", "temperature": -1}, 400, "temperature"),
@@ -353,7 +553,8 @@ def test_a_failing_engine_fails_its_requests_and_health(checkpoint, offline, mon
 
 
 # ---------------------------------------------------------------------------- the command line
-def test_serve_flags_are_explained_and_bad_ones_refused(capsys, checkpoint):
+def test_serve_flags_are_explained_and_bad_ones_refused(capsys, checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setattr("megactx.models.SHIPPED_MODEL_DIR", tmp_path / "absent")  # else `serve` serves it
     with pytest.raises(SystemExit) as e:
         cli_main(["serve", "--help"])
     assert e.value.code == 0

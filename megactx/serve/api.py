@@ -12,6 +12,16 @@ request that cannot be served (malformed JSON, an unknown or out-of-range field,
 the context, a max_tokens that does not fit), 404 for an unknown model, 503 + Retry-After when the
 queue is full. A refused request costs the others nothing.
 
+Streaming is the server's hot path: this loop and the engine thread share the GIL, and whatever the
+loop spends a token is taken from the engine. So a stream's deltas are handed over under an event
+budget (`max_handovers_per_s`, see megactx.serve.async_engine), what waited going out as one event a
+choice whose text, tokens and logprobs are those of the deltas it merges (`merge_deltas`), a
+hand-over's events in one write; a chunk's constant fields are serialized once a response
+(`ChunkEncoder`); an event stream runs no disconnect listener of its own (`EventStreamResponse`); and
+what exists at startup is kept out of the garbage collector's full collections, which hold the GIL.
+Clients get the same text, logprobs, finish reasons and usage either way: an event a step when few
+streams run, fewer and longer ones when many do.
+
 A client that disconnects (mid-stream or while waiting for a whole response) has its request
 aborted, which frees its KV blocks. Shutdown (SIGTERM / Ctrl-C) is uvicorn's graceful one: the
 server stops accepting connections, lets every request in flight finish, then stops the engine.
@@ -20,23 +30,31 @@ server stops accepting connections, lets every request in flight finish, then st
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from megactx.engine.llm import LLM, Delta, TokenLogprobs
 from megactx.engine.sampling_params import SamplingParams
 from megactx.serve import DEFAULT_MAX_QUEUED_REQUESTS
-from megactx.serve.async_engine import AsyncEngine, EngineDead, EngineOverloaded, RequestStream
+from megactx.serve.async_engine import (
+    DEFAULT_MAX_HANDOVERS_PER_S,
+    AsyncEngine,
+    EngineDead,
+    EngineOverloaded,
+    RequestStream,
+    merge_deltas,
+)
 from megactx.serve.metrics import CONTENT_TYPE, ServerMetrics
 from megactx.serve.protocol import (
     APIError,
@@ -46,16 +64,12 @@ from megactx.serve.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
-    ChatLogprobs,
     ChatResponseMessage,
-    ChatTokenLogprob,
     CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     ModelCard,
     ModelList,
-    TopLogprob,
     UsageInfo,
 )
 
@@ -68,21 +82,30 @@ _TYPE_TAGS = {"str", "int", "float", "bool"}  # pydantic's names for union membe
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering of the stream
 
 
-def build_app(llm: LLM, *, served_model_name: str, max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS) -> FastAPI:
+def build_app(llm: LLM, *, served_model_name: str, max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
+              max_handovers_per_s: float = DEFAULT_MAX_HANDOVERS_PER_S) -> FastAPI:
     """The FastAPI app serving `llm` under the model name `served_model_name`. The engine thread
     starts with the app's lifespan and stops after the server drained its requests.
-    max_queued_requests: sequences admitted beyond the batch's max_num_seqs before a 503."""
+    max_queued_requests: sequences admitted beyond the batch's max_num_seqs before a 503.
+    max_handovers_per_s: the streams' event budget, all together (AsyncEngine's; 0 = an event a step)."""
     metrics = ServerMetrics(served_model_name)
     if llm.stats.spec_decode is not None:
         metrics.watch_spec_decode(llm.stats.spec_decode)
-    engine = AsyncEngine(llm, max_queued_requests=max_queued_requests, metrics=metrics)
+    engine = AsyncEngine(llm, max_queued_requests=max_queued_requests, max_handovers_per_s=max_handovers_per_s,
+                         metrics=metrics)
     serving = OpenAIServing(engine, llm, served_model_name, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
+        # What exists now (the model, the libraries, the app) lives as long as the server: take it
+        # out of the cyclic collector's sight. A full collection holds the GIL, so the engine stops
+        # while it walks every object of the process (250 ms for the tiny model on a CPU, in the
+        # middle of a stream); frozen, it walks only what requests allocated since.
+        gc.freeze()
         yield
         await engine.shutdown()
+        gc.unfreeze()
 
     app = FastAPI(title="megactx", summary="OpenAI-compatible server for megactx models", lifespan=lifespan)
     app.state.engine = engine
@@ -177,6 +200,7 @@ class OpenAIServing:
         self._metrics = metrics
         self._created = int(time.time())
         self._watchers: set[asyncio.Task] = set()  # disconnect watchers of streaming responses
+        self._token_texts: dict[int, str] = {}  # token id -> its text in logprobs
 
     # ---------------------------------------------------------------------------- simple routes
     async def models(self) -> ModelList:
@@ -217,31 +241,36 @@ class OpenAIServing:
     async def _completion_events(self, stream: RequestStream, request_id: str, created: int, n: int,
                                  prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
         choices: dict[int, _Choice] = {}
-        async for prompt_index, delta in stream:
+
+        def choice_of(prompt_index: int, delta: Delta) -> tuple | None:
             index = prompt_index * n + delta.index
             choice = choices.setdefault(index, _Choice())
             choice.num_tokens += len(delta.token_ids)
-            if not (delta.text or delta.logprobs or delta.finish_reason):
-                continue  # held-back text (a possible stop string, an incomplete character)
+            if not _visible(delta):
+                return None
             logprobs = None if delta.logprobs is None else self._completion_logprobs(delta.logprobs, choice)
-            yield _sse(CompletionResponse(id=request_id, created=created, model=self.model_name, choices=[
-                CompletionChoice(index=index, text=delta.text, logprobs=logprobs, finish_reason=delta.finish_reason)]))
+            return index, delta.text, logprobs, delta.finish_reason
+
+        encoder = ChunkEncoder(CompletionResponse, request_id, created, self.model_name)
+        async for events in _stream_events(stream, encoder, choice_of):
+            yield events
         if include_usage:
             yield _sse(CompletionResponse(id=request_id, created=created, model=self.model_name, choices=[],
                                           usage=_usage(prompt_tokens, sum(c.num_tokens for c in choices.values()))))
 
-    def _completion_logprobs(self, logprobs: list[TokenLogprobs], choice: _Choice) -> CompletionLogprobs:
-        """The legacy format: each token's text and logprob, the top tokens' {text: logprob} with
-        the sampled token always among them, and each token's offset in the completion text."""
-        out = CompletionLogprobs()
+    def _completion_logprobs(self, logprobs: list[TokenLogprobs], choice: _Choice) -> dict:
+        """The legacy format (`CompletionLogprobs` as a dict): each token's text and logprob, the top
+        tokens' {text: logprob} with the sampled token always among them, and each token's offset in
+        the completion text."""
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for lp in logprobs:
             token = self._token_text(lp.token_id)
-            top = {self._token_text(t): v for t, v in lp.top.items()}
-            top.setdefault(token, lp.logprob)
-            out.tokens.append(token)
-            out.token_logprobs.append(lp.logprob)
-            out.top_logprobs.append(top)
-            out.text_offset.append(choice.text_offset)
+            top = {self._token_text(t): float(v) for t, v in lp.top.items()}
+            top.setdefault(token, float(lp.logprob))
+            out["tokens"].append(token)
+            out["token_logprobs"].append(float(lp.logprob))
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(choice.text_offset)
             choice.text_offset += len(token)
         return out
 
@@ -284,24 +313,29 @@ class OpenAIServing:
         # every choice opens with the assistant role, as OpenAI's stream does
         yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content="")) for i in range(n)])
         num_tokens = 0
-        async for _, delta in stream:
+
+        def choice_of(_: int, delta: Delta) -> tuple | None:
+            nonlocal num_tokens
             num_tokens += len(delta.token_ids)
-            if not (delta.text or delta.logprobs or delta.finish_reason):
-                continue
+            if not _visible(delta):
+                return None
             logprobs = None if delta.logprobs is None else self._chat_logprobs(delta.logprobs)
-            yield chunk([ChatChunkChoice(index=delta.index, delta=ChatDelta(content=delta.text), logprobs=logprobs,
-                                         finish_reason=delta.finish_reason)])
+            return delta.index, delta.text, logprobs, delta.finish_reason
+
+        encoder = ChunkEncoder(ChatCompletionChunk, request_id, created, self.model_name)
+        async for events in _stream_events(stream, encoder, choice_of):
+            yield events
         if include_usage:
             yield chunk([], _usage(prompt_tokens, num_tokens))
 
-    def _chat_logprobs(self, logprobs: list[TokenLogprobs]) -> ChatLogprobs:
-        def entry(token_id: int, logprob: float) -> TopLogprob:
+    def _chat_logprobs(self, logprobs: list[TokenLogprobs]) -> dict:
+        """`ChatLogprobs` as a dict: each token's text, logprob and UTF-8 bytes, with its top tokens'."""
+        def entry(token_id: int, logprob: float) -> dict:
             text = self._token_text(token_id)
-            return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+            return {"token": text, "logprob": float(logprob), "bytes": list(text.encode())}
 
-        return ChatLogprobs(content=[
-            ChatTokenLogprob(**entry(lp.token_id, lp.logprob).model_dump(),
-                             top_logprobs=[entry(t, v) for t, v in lp.top.items()]) for lp in logprobs])
+        return {"content": [entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top.items()]}
+                            for lp in logprobs]}
 
     # ---------------------------------------------------------------------------- shared steps
     def _check_model(self, model: str) -> None:
@@ -353,7 +387,7 @@ class OpenAIServing:
             stream.abort()  # a no-op once the stream finished
         return choices
 
-    def _sse(self, events: AsyncIterator[str], stream: RequestStream, request: Request) -> StreamingResponse:
+    def _sse(self, events: AsyncIterator[str], stream: RequestStream, request: Request) -> EventStreamResponse:
         # Watch from now on, not from the body's first iteration: a client that leaves before the
         # body starts gets a body that never runs (and so never reaches its `finally`).
         watcher = asyncio.create_task(_abort_on_disconnect(request, stream))
@@ -372,13 +406,37 @@ class OpenAIServing:
                 stream.abort()
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
+        return EventStreamResponse(body(), headers=SSE_HEADERS)
 
     def _token_text(self, token_id: int) -> str:
-        if self.tokenizer is None:
-            return f"token_id:{token_id}"
-        # special tokens (EOS) keep their text, so the sampled token is visible in logprobs
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        """A token's text in logprobs (decoded alone, memoized: at most a vocabulary's worth)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            if self.tokenizer is None:
+                text = f"token_id:{token_id}"
+            else:  # special tokens (EOS) keep their text, so the sampled token is visible in logprobs
+                text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_texts[token_id] = text
+        return text
+
+
+async def _stream_events(stream: RequestStream, encoder: ChunkEncoder,
+                         choice_of: Callable[[int, Delta], tuple | None]) -> AsyncIterator[str]:
+    """The SSE events of a stream: a hand-over's deltas merged into one a completion (`merge_deltas`),
+    each made a chunk's choice by `choice_of(prompt_index, delta)` -> (index, text, logprobs,
+    finish_reason), the arguments of `ChunkEncoder.event` (None: nothing to send yet); all of a
+    hand-over's events in one string, so one write."""
+    async for batch in stream.batches():
+        choices = [choice_of(prompt_index, delta) for prompt_index, delta in merge_deltas(batch)]
+        events = "".join(encoder.event(*c) for c in choices if c is not None)
+        if events:
+            yield events
+
+
+def _visible(delta: Delta) -> bool:
+    """Whether a delta has anything to send: else its text is held back (a possible stop string, an
+    incomplete character) and it carries no logprobs or finish reason."""
+    return bool(delta.text or delta.logprobs or delta.finish_reason)
 
 
 def _add_delta(choice: _Choice, delta: Delta) -> None:
@@ -403,6 +461,48 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
                      total_tokens=prompt_tokens + completion_tokens)
 
 
+class EventStreamResponse(Response):
+    """A `text/event-stream` response whose body is `events`, each sent as it comes (one write).
+    Unlike starlette's StreamingResponse it runs no task of its own listening for the client's
+    disconnect (an anyio task group a request): `OpenAIServing._sse` watches for that itself and
+    aborts the stream, which ends `events`; what it sends after a disconnect the server drops."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[str], headers: dict[str, str]):
+        self.events = events
+        self.status_code = 200
+        self.background = None
+        self.init_headers(headers)
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for event in self.events:
+            await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class ChunkEncoder:
+    """The server-sent events of one streamed response, each a chunk of `model` (CompletionResponse
+    or ChatCompletionChunk) with one choice and no usage: byte for byte what `_sse` makes of that
+    chunk built as a model, without building one. The fields every chunk repeats (id, object,
+    created, model) are serialized once; an event serializes only its text, logprobs and finish
+    reason into the choice's JSON (a completion's `text`, a chat delta's `content`)."""
+
+    def __init__(self, model: type[CompletionResponse] | type[ChatCompletionChunk], request_id: str, created: int,
+                 model_name: str):
+        head = _json({"id": request_id, "object": model.model_fields["object"].default, "created": created,
+                      "model": model_name})
+        self._prefix = f'data: {head[:-1]},"choices":[{{"index":'
+        self._chat = model is ChatCompletionChunk
+
+    def event(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> str:
+        """logprobs: CompletionLogprobs or ChatLogprobs as a dict, or None."""
+        text_json = f'"delta":{{"content":{_json(text)}}}' if self._chat else f'"text":{_json(text)}'
+        return (f'{self._prefix}{index},{text_json},"logprobs":{_json(logprobs)},'
+                f'"finish_reason":{_json(finish_reason)}}}]}}\n\n')
+
+
 def _sse(chunk: CompletionResponse | ChatCompletionChunk) -> str:
     """One server-sent event. A chat delta leaves out its empty fields and a chunk its usage until
     the last one, as OpenAI's stream does."""
@@ -419,5 +519,12 @@ def _sse_error(e: APIError) -> str:
     return f"data: {_json(e.body())}\n\n"
 
 
-def _json(data: dict) -> str:
-    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))  # compact, UTF-8 as it is
+
+
+def _json(data: dict | str | None) -> str:
+    """Compact JSON. One encoder for every call (json.dumps with options makes one a call), and a
+    string or None without going through the general encoder: they are most of an event."""
+    if data is None:
+        return "null"
+    return _JSON.encode(data)

@@ -14,6 +14,22 @@ command queue: an idle server burns no CPU.
     async for prompt_index, delta in stream: ...          # until every completion finished
     await engine.shutdown()
 
+Hand-over. The engine thread hands the loop a whole step's deltas in one callback, and a stream
+wakes its consumer at most once for them. A consumer that fell behind (the loop busy with other
+streams, a slow client) finds several deltas waiting: `stream.batches()` hands them over together,
+and `merge_deltas` makes one delta of each completion's, so a server that cannot send an event per
+token sends fewer, longer events instead of falling further behind the engine.
+
+Event budget. The loop and the engine thread share the GIL, and a step's host work is much of a
+step on a fast device, so every microsecond the loop spends a token is taken from the engine.
+`max_handovers_per_s` caps the rate at which deltas are handed to consumers (each hand-over is an
+SSE event a completion on a stream) for the whole server: a stream's deltas are handed over at most
+once every `(sequences in the last step) / max_handovers_per_s` seconds, at the first step after
+that (see `AsyncEngine._pace`). A stream's first delta and every finishing delta go at once, so
+time to first token and request latency do not change; between them a client gets the same text in
+fewer, longer events when many streams run at once (64 streams at the default 2000/s: one every
+32 ms, ~7 tokens on 4.6 ms steps), and an event a step when few do.
+
 Capacity. At most `max_num_seqs + max_queued_requests` sequences (a request with n completions
 counts n) are in flight at once: the running batch, plus a queue. A request that would go past
 that raises `EngineOverloaded` at once (the server answers 503); a request once accepted always
@@ -35,6 +51,14 @@ from megactx.engine.sampling_params import SamplingParams
 from megactx.serve.metrics import ServerMetrics
 
 log = logging.getLogger("megactx.serve")
+
+
+# The event budget: hand-overs of deltas to streams (SSE events) a second, all streams together. A
+# hand-over costs the loop ~30-50 us of GIL (waking the consumer, JSON, uvicorn + h11, the socket
+# write), so 2000/s keep it under a tenth of the engine thread's time however many streams run: 64
+# streams get an event every 32 ms (a 30 Hz stream of ~7 tokens on 4.6 ms steps), 8 every 4 ms.
+DEFAULT_MAX_HANDOVERS_PER_S = 2000.0
+MIN_PACING_TIMER_S = 0.005  # the fallback hand-over timer's least period
 
 
 class EngineOverloaded(Exception):
@@ -60,9 +84,6 @@ class _Abort:
 
 class _Stop:
     pass
-
-
-_END = object()  # queued to a RequestStream after its last delta
 
 
 @dataclass
@@ -94,16 +115,22 @@ class RequestStream:
 
     Iterating yields `(prompt_index, Delta)` in the order the engine made them, and ends after every
     completion of every prompt has finished, or after `abort()`. Raises EngineDead if the engine
-    fails meanwhile."""
+    fails meanwhile (after the deltas that came before the failure). `batches()` yields the same
+    deltas a list at a time, paced by the engine's event budget (see the module docstring)."""
 
     def __init__(self, engine: AsyncEngine, request_ids: list[str], num_prompts: int):
         self.request_ids = request_ids
         self._engine = engine
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._admission: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._loop = asyncio.get_running_loop()
+        self._pending: list[tuple[int, Delta]] = []  # arrived, not yet handed to the consumer
+        self._urgent = False  # a pending delta finishes a completion: hand over without waiting
+        self._next_handover = 0.0  # loop.time() from which pending deltas may be handed over
+        self._waiter: asyncio.Future | None = None  # the consumer, waiting until a hand-over is due
+        self._error: BaseException | None = None  # raised to the consumer after the pending deltas
+        self._admission: asyncio.Future = self._loop.create_future()
         self._num_unadmitted = num_prompts
         self._num_unfinished = num_prompts
-        self.done = False  # every completion finished, or aborted
+        self.done = False  # every completion finished, or aborted, or the engine failed
 
     async def admitted(self) -> None:
         """Wait until the engine accepted every prompt. Raises ValueError with the engine's reason
@@ -118,15 +145,56 @@ class RequestStream:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[tuple[int, Delta]]:
+        async for batch in self.batches():
+            for item in batch:
+                yield item
+
+    async def batches(self) -> AsyncIterator[list[tuple[int, Delta]]]:
+        """The deltas that arrived since the last yield, in arrival order: [(prompt_index, Delta)],
+        never empty; at most one delta a completion a step, several steps' worth when the consumer
+        was slower than the engine or its hand-over was not due yet (see `merge_deltas`)."""
         while True:
-            item = await self._queue.get()
-            if item is _END:
+            while not self._due():
+                if self._pending:
+                    self._engine._pace(self)
+                self._waiter = self._loop.create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+            if self._pending:
+                batch, self._pending, self._urgent = self._pending, [], False
+                self._next_handover = self._loop.time() + self._engine.handover_interval_s
+                yield batch
+            else:  # done
+                if self._error is not None:
+                    raise self._error
                 return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
+
+    def _due(self) -> bool:
+        """Whether the consumer should run now: the end, or deltas whose hand-over is due."""
+        if self.done:
+            return True
+        return bool(self._pending) and (self._urgent or self._loop.time() >= self._next_handover)
 
     # ------------------------------------------------ called by the engine, on the loop thread
+    def _push(self, prompt_index: int, delta: Delta, now: float) -> None:
+        """Queue a delta (at loop time `now`) and wake the consumer if its hand-over is due; else
+        the engine wakes it at the first step after it is (`AsyncEngine._pace`)."""
+        self._pending.append((prompt_index, delta))
+        if delta.finish_reason is not None:
+            self._urgent = True
+            self._wake()
+        elif self._waiter is not None:  # else it is busy, and takes these when it comes back
+            if now >= self._next_handover:
+                self._wake()
+            else:
+                self._engine._pace(self)
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
     def _accept_one(self) -> None:
         self._num_unadmitted -= 1
         if self._num_unadmitted == 0 and not self._admission.done():
@@ -144,23 +212,61 @@ class RequestStream:
     def _close(self, error: BaseException | None = None) -> None:
         if not self.done:
             self.done = True
-            self._queue.put_nowait(_END if error is None else error)
+            self._error = error
+            self._wake()
         if error is not None and not self._admission.done():
             self._admission.set_exception(error)
+
+
+def merge_deltas(batch: list[tuple[int, Delta]]) -> list[tuple[int, Delta]]:
+    """One delta a completion: the deltas of each (prompt_index, completion index) in `batch` made
+    into one, in the order of each completion's first delta. A merged delta's text, token ids and
+    logprobs are its parts' concatenated in order (logprobs None when every part's is None), its
+    finish reason the last part's (only a completion's last delta has one)."""
+    if len(batch) == 1:
+        return batch
+    prompt_index, first = batch[0]
+    if all(p == prompt_index and d.index == first.index for p, d in batch):  # one completion: the usual case
+        return [(prompt_index, _concat([d for _, d in batch]))]
+    parts: dict[tuple[int, int], list[Delta]] = {}
+    for prompt_index, delta in batch:
+        parts.setdefault((prompt_index, delta.index), []).append(delta)
+    if len(parts) == len(batch):
+        return batch
+    return [(prompt_index, ds[0] if len(ds) == 1 else _concat(ds)) for (prompt_index, _), ds in parts.items()]
+
+
+def _concat(deltas: list[Delta]) -> Delta:
+    last = deltas[-1]
+    logprobs = None
+    if any(d.logprobs is not None for d in deltas):
+        logprobs = [lp for d in deltas for lp in d.logprobs or ()]
+    return Delta(last.request_id, last.index, "".join(d.text for d in deltas),
+                 [t for d in deltas for t in d.token_ids], logprobs, last.finish_reason)
 
 
 class AsyncEngine:
     """Owns an LLM through a dedicated thread; see the module docstring.
 
     max_queued_requests: sequences admitted beyond the `max_num_seqs` the batch runs at once (>= 0).
+    max_handovers_per_s: the event budget of all streams together (see the module docstring);
+    0 = none: every step's deltas are handed over at once.
     metrics: where engine gauges, token counters and latencies go (None: nowhere).
     All methods are called from the event loop's thread."""
 
-    def __init__(self, llm: LLM, *, max_queued_requests: int, metrics: ServerMetrics | None = None):
+    def __init__(self, llm: LLM, *, max_queued_requests: int, max_handovers_per_s: float = DEFAULT_MAX_HANDOVERS_PER_S,
+                 metrics: ServerMetrics | None = None):
         if max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
+        if max_handovers_per_s < 0:
+            raise ValueError(f"max_handovers_per_s must be >= 0 (0 = no budget), got {max_handovers_per_s}")
         self.llm = llm
         self.metrics = metrics
+        self.max_handovers_per_s = max_handovers_per_s
+        self.handover_interval_s = 0.0  # a stream's least time between hand-overs; set by each step
+        self._paced: set[RequestStream] = set()  # streams with deltas whose hand-over is not due yet
+        self._pacing_timer: asyncio.TimerHandle | None = None  # hands over when no step came for a while
+        self._last_dispatch = 0.0  # loop.time() of the last step's deltas
         self.capacity = llm.scheduler.config.max_num_seqs + max_queued_requests
         self.error: BaseException | None = None  # why the engine thread died, if it did
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -184,6 +290,9 @@ class AsyncEngine:
         requests before it calls this, so normally nothing is left.)"""
         for stream in list(self._streams):
             stream.abort()
+        if self._pacing_timer is not None:
+            self._pacing_timer.cancel()
+            self._pacing_timer = None
         if self._thread is not None and self._thread.is_alive():
             self._commands.put(_Stop())
             await asyncio.to_thread(self._thread.join)
@@ -243,6 +352,7 @@ class AsyncEngine:
                         self.metrics.completion_finished("abort")
             self._retire(rid, tracked)
         self._streams.discard(stream)
+        self._paced.discard(stream)
         stream._close()
 
     def _retire(self, request_id: str, tracked: _Tracked) -> None:
@@ -260,6 +370,11 @@ class AsyncEngine:
             self.metrics.e2e.observe(latency)
 
     # ---------------------------------------------------------------------------- loop-side callbacks
+    def _admit_all(self, admissions: list[tuple[str, Exception | None]]) -> None:
+        """The engine's answers to added requests: (request id, None if accepted, else why not)."""
+        for request_id, error in admissions:
+            self._admit(request_id, error)
+
     def _admit(self, request_id: str, error: Exception | None) -> None:
         tracked = self._requests.get(request_id)
         if tracked is None:  # aborted while the engine was admitting it
@@ -277,13 +392,20 @@ class AsyncEngine:
         stream._refuse(error)
 
     def _dispatch(self, deltas: list[Delta], now: float) -> None:
-        """Route one step's deltas (made at time `now`) to their streams."""
+        """Route one step's deltas (made at time `now`) to their streams, then hand over what is due."""
+        if self.max_handovers_per_s:
+            # the budget shared by the sequences of this step: a full batch of 64 at 2000/s, 32 ms each
+            self.handover_interval_s = len(deltas) / self.max_handovers_per_s
+        loop_now = self._last_dispatch = self._loop.time()
+        num_tokens = 0
+        gaps: dict[float, int] = {}  # previous token time -> completions whose last token came then
         for delta in deltas:
             tracked = self._requests.get(delta.request_id)
             if tracked is None:  # aborted on this side; the engine has not heard yet
                 continue
-            self._record_latencies(tracked, delta, now)
-            tracked.stream._queue.put_nowait((tracked.prompt_index, delta))
+            num_tokens += len(delta.token_ids)
+            self._record_latencies(tracked, delta, now, gaps)
+            tracked.stream._push(tracked.prompt_index, delta, loop_now)
             if delta.finish_reason is not None:
                 tracked.finish_reasons[delta.index] = delta.finish_reason
                 if self.metrics:
@@ -293,8 +415,46 @@ class AsyncEngine:
                     tracked.stream._prompt_finished()
                     if tracked.stream.done:
                         self._streams.discard(tracked.stream)
+        if self.metrics:
+            # once a step, not once a delta: a locked counter or histogram costs the loop ~1 us a call
+            if num_tokens:
+                self.metrics.generation_tokens.inc(num_tokens)
+            for previous, count in gaps.items():
+                self.metrics.itl.observe(now - previous, count)
+        self._hand_over_due(loop_now)
 
-    def _record_latencies(self, tracked: _Tracked, delta: Delta, now: float) -> None:
+    # ---------------------------------------------------------------------------- pacing (the event budget)
+    def _pace(self, stream: RequestStream) -> None:
+        """Hand `stream`'s deltas over at the first step after they are due. Hand-overs happen while
+        the loop routes a step anyway, not at moments of their own: with an engine that lets go of the
+        GIL around every op, each extra wake-up of the loop would take the GIL from the engine mid-step."""
+        self._paced.add(stream)
+        if self._pacing_timer is None:
+            self._pacing_timer = self._loop.call_later(max(self.handover_interval_s, MIN_PACING_TIMER_S),
+                                                       self._on_pacing_timer)
+
+    def _hand_over_due(self, loop_now: float) -> None:
+        if not self._paced:
+            return
+        due = [s for s in self._paced if s.done or s._next_handover <= loop_now]
+        for stream in due:
+            self._paced.discard(stream)
+            stream._wake()
+
+    def _on_pacing_timer(self) -> None:
+        """The fallback: streams whose deltas wait while no step brings more (the engine busy with
+        prefill chunks only, or idle) are handed over anyway."""
+        self._pacing_timer = None
+        now = self._loop.time()
+        if now - self._last_dispatch >= self.handover_interval_s:
+            self._hand_over_due(now)
+        if self._paced:
+            self._pacing_timer = self._loop.call_later(max(self.handover_interval_s, MIN_PACING_TIMER_S),
+                                                       self._on_pacing_timer)
+
+    def _record_latencies(self, tracked: _Tracked, delta: Delta, now: float, gaps: dict[float, int]) -> None:
+        """Count a delta's tokens, stamp its completion's last token time; its gap since the
+        completion's previous token goes to `gaps` (an inter-token latency, one a delta)."""
         tracked.num_output_tokens += len(delta.token_ids)
         previous = tracked.last_token_time[delta.index]
         tracked.last_token_time[delta.index] = now
@@ -303,11 +463,10 @@ class AsyncEngine:
             tracked.first_token_time = now
         if self.metrics is None:
             return
-        self.metrics.generation_tokens.inc(len(delta.token_ids))
         if first:
             self.metrics.ttft.observe(now - tracked.arrival)
         elif previous is not None:
-            self.metrics.itl.observe(now - previous)
+            gaps[previous] = gaps.get(previous, 0) + 1
 
     def _fail_all(self, error: BaseException) -> None:
         self.error = error
@@ -319,6 +478,7 @@ class AsyncEngine:
                     self._num_seqs -= tracked.n
             stream._close(dead)
         self._streams.clear()
+        self._paced.clear()
 
     # ---------------------------------------------------------------------------- the engine thread
     def _run(self) -> None:
@@ -333,6 +493,8 @@ class AsyncEngine:
                         commands.append(self._commands.get_nowait())
                     except queue.Empty:
                         break
+                # every admission of this round in one callback: a callback is a wake-up of the loop
+                admissions: list[tuple[str, Exception | None]] = []
                 for command in commands:
                     if isinstance(command, _Stop):
                         for request_id in list(llm.requests):
@@ -343,10 +505,11 @@ class AsyncEngine:
                         continue
                     try:
                         llm.add_request(command.prompt_token_ids, command.params, request_id=command.request_id)
-                        error = None
+                        admissions.append((command.request_id, None))
                     except ValueError as e:  # the engine's reason: prompt too long, max_tokens too large, ...
-                        error = e
-                    loop.call_soon_threadsafe(self._admit, command.request_id, error)
+                        admissions.append((command.request_id, e))
+                if admissions:
+                    loop.call_soon_threadsafe(self._admit_all, admissions)
                 if llm.has_unfinished():
                     deltas = llm.step()
                     if deltas:
