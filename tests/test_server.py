@@ -461,6 +461,26 @@ def test_streamed_chunks_are_the_response_models_json_byte_for_byte():
         assert chat.event(index, text, lps, finish) == _sse(model)
 
 
+def test_the_step_histogram_renders_as_prometheus_clients_own():
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from megactx.serve.metrics import ITL_BUCKETS_S, CountedHistogram
+
+    name, doc = "megactx_inter_token_latency_seconds", "Between consecutive tokens of one completion"
+    theirs, ours = CollectorRegistry(), CollectorRegistry()
+    histogram = Histogram(name, doc, ["model_name"], buckets=ITL_BUCKETS_S, registry=theirs).labels("m")
+    counted = CountedHistogram(name, doc, ITL_BUCKETS_S, "m")
+    ours.register(counted)
+    for value, count in ((0.004, 3), (0.001, 2), (0.0011, 1), (7.0, 1), (0.0, 4)):  # on, between, past the edges
+        for _ in range(count):
+            histogram.observe(value)
+        counted.observe(value, count)
+    created = f"{name}_created"
+    want, got = (generate_latest(r).decode().splitlines() for r in (theirs, ours))
+    assert [line for line in got if created not in line] == [line for line in want if created not in line]
+    assert sum(created in line for line in got) == sum(created in line for line in want) > 0
+
+
 # ---------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("body, status, words", [
     ({"prompt": "x", "temperature": -1}, 400, "temperature"),
