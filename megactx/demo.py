@@ -5,7 +5,7 @@
     megactx demo --model path/to/checkpoint
 
 1. The per-token cost of decoding: FLOPs and KV bytes of GLM-5.2 (IndexShare) against GLM-5.1.
-2. Needle retrieval at a long context through the sparse path: a line `SECRET_KEY_... = "402913"`
+2. Needle retrieval at a long context through the sparse path: a line `key_... = "402913"`
    hidden in held-out standard-library code, asked for after it, answered greedily by the engine
    from token-id prompts. It is the `single` task of `megactx eval needles` (same case for the same
    --seed and context). Each query attends only to the top-k keys its layer's indexer picked.

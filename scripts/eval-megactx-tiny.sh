@@ -3,35 +3,45 @@
 #
 #   scripts/eval-megactx-tiny.sh [RUN] [OUT]     # default RUN=runs/tiny, OUT=RUN/eval
 #
-# Environment: SEED (0), CASES (200 needle cases a task and context), CONTEXTS (needle contexts,
+# Environment: PARTS (which of bpb,search,needles to run; default all), SEED (0), CASES (200 needle cases a task and context), CONTEXTS (needle contexts,
 # default 4k,16k,64k,128k,256k: the trained 64K and past it), BPB_CONTEXTS (1k,4k). Longer needle
 # contexts (512k, 1m) take minutes each: run them apart with `megactx eval needles --contexts`.
 #   1. held-out bits per byte at equal budget: IndexShare (sparse), DSA in every layer (sparse-dsa),
 #      dense (sparse-dense), and the shipped model after context extension and MTP training
 #   2. the training-free IndexShare search from the DSA checkpoint down to 2 full layers, against
-#      the shipped uniform 1-in-4 pattern FSSSFSSS
-#   3. needle retrieval of the shipped model up to and past its trained length
+#      the uniform 1-in-4 pattern FSSSFSSS (megactx-tiny shares by FFSSSSSS, see megactx.train.recipe.tiny_recipe)
+#   3. needle retrieval of the shipped model up to and past its trained length (NEEDLE_MODEL: another
+#      directory with the same backbone, e.g. a bf16 export of the extend stage, so that the needles
+#      may run while the MTP variants train; the MTP stages leave the backbone untouched)
 set -euo pipefail
 
 RUN=${1:-runs/tiny}
 OUT=${2:-$RUN/eval}
 SEED=${SEED:-0}
 CASES=${CASES:-200}
+PARTS=${PARTS:-bpb,search,needles}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 stamp() { echo "[$(date +%H:%M:%S)] $*"; }
+part() { [[ ,$PARTS, == *",$1,"* ]]; }
 
+if part bpb; then
 stamp "bits per byte"
 "$PY" -m megactx eval bpb --seed "$SEED" --contexts "${BPB_CONTEXTS:-1k,4k}" --data-dir "$RUN/data" --out "$OUT/bpb" \
   --model "$RUN/sparse/checkpoint" --model "$RUN/sparse-dsa/checkpoint" --model "$RUN/sparse-dense/checkpoint" \
   --model "$RUN/export/megactx-tiny"
+fi
 
+if part search; then
 stamp "IndexShare search"
 "$PY" -m megactx indexshare-search --model "$RUN/sparse-dsa/checkpoint" --data-dir "$RUN/data" --seed "$SEED" \
   --num-full 2 --compare FSSSFSSS --out "$OUT/indexshare-search" --no-progress
+fi
 
+if part needles; then
 stamp "needles"
-"$PY" -m megactx eval needles --model "$RUN/export/megactx-tiny" --seed "$SEED" --cases "$CASES" \
+"$PY" -m megactx eval needles --model "${NEEDLE_MODEL:-$RUN/export/megactx-tiny}" --seed "$SEED" --cases "$CASES" \
   --contexts "${CONTEXTS:-4k,16k,64k,128k,256k}" --trained-length 65536 --batch-size 32 \
   --max-num-batched-tokens 65536 --out "$OUT/needles"
-stamp "done"
+fi
+stamp "done: $PARTS"

@@ -44,7 +44,7 @@ def test_demo_runs_every_section_on_a_checkpoint(ckpt, capsys):
     # the needle case, as `megactx eval needles` makes it: a prompt of the context less the answer budget
     n = 512 - answer_budget(STANDARD_TASKS["single"])
     assert "== Needle retrieval at 512 tokens, sparse attention ==" in out
-    assert re.search(rf"hidden at token [\d,]+ of {n} \(depth 0\.\d\d\): SECRET_KEY_\w+ = \"\d{{6}}\"", out)
+    assert re.search(rf"hidden at token [\d,]+ of {n} \(depth 0\.\d\d\): key_[a-z]+_[a-z]+ = \"\d{{6}}\"", out)
     assert re.search(r"expected:  \d{6}\nanswer:    '.*'  ->  (correct|WRONG)\n", out)
     assert f"each query attends to at most 64 of up to {n} keys ({64 / n:.1%})" in out
     # the completion: prompt streamed, then both runs' summaries and the greedy check

@@ -8,6 +8,7 @@ whole file to a few seconds."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -38,7 +39,7 @@ from megactx.train.tokenizer import (
 )
 
 VOCAB = 512
-NEEDLE_LINE = re.compile(r'^(SECRET_KEY_[A-Z]+_[A-Z]+) = (?:"(\d+)"|(SECRET_KEY_[A-Z]+_[A-Z]+))$', re.MULTILINE)
+NEEDLE_LINE = re.compile(r'^(key_[a-z]+_[a-z]+) = (?:"(\d+)"|(key_[a-z]+_[a-z]+))$', re.MULTILINE)
 
 
 def _lines(text: str) -> list[str]:
@@ -252,7 +253,7 @@ def test_needle_answer_is_what_the_prompt_computes(data, task):
         text = tok.decode(case.input_ids, skip_special_tokens=False)
         found = _needle_lines(text)
         assert len(found) == task.num_names == len(case.needles)  # the haystack holds no needle of its own
-        asked = re.findall(r"SECRET_KEY_[A-Z]+_[A-Z]+", case.question)
+        asked = re.findall(r"key_[a-z]+_[a-z]+", case.question)
         assert ", ".join(_resolve(text, name) for name in asked) == case.answer
         assert tok.decode(case.answer_ids, skip_special_tokens=True).strip() == case.answer
         assert case.answer_ids[-1] == data.end_id and case.is_correct(case.answer + END)
@@ -262,7 +263,27 @@ def test_needle_answer_is_what_the_prompt_computes(data, task):
             assert tok.decode(at) == needle.text
         if task.num_distractors:
             distractors = [n.name for n in case.needles if n.role == "distractor"]
-            assert all(len(set(d.split("_")) & set(asked[0].split("_"))) == 3 for d in distractors)  # one word off
+            assert all(len(set(d.split("_")) & set(asked[0].split("_"))) == 2 for d in distractors)  # one word off
+
+
+@pytest.mark.parametrize("task", ALL_TASKS, ids=lambda t: t.label)
+def test_one_value_questions_end_with_the_asked_needles_lead(data, task):
+    """single / multikey prompts end with `name = "` of the asked needle, tokenized as in its needle
+    line, so the answer continues it; multi-query and multi-hop prompts end at the question."""
+    gen, tok = data.needles(), data.tokenizer
+    case = gen.case(task, 400, depth=0.3, seed=1)
+    text = tok.decode(case.input_ids, skip_special_tokens=False)
+    asked = next(n for n in case.needles if n.role == "asked")
+    lead = f'{asked.name} = "'
+    if task.kind in ("single", "multikey"):
+        assert text.endswith(lead) and task.label == NeedleTask(**{**task.__dict__, "lead": True}).label
+        lead_ids = tok.encode(lead, add_special_tokens=False).ids
+        assert case.input_ids[-len(lead_ids):] == lead_ids == case.input_ids[asked.position:][:len(lead_ids)]
+        plain = gen.case(dataclasses.replace(task, lead=False), 400, depth=0.3, seed=1)
+        assert not tok.decode(plain.input_ids, skip_special_tokens=False).endswith(lead)
+        assert plain.answer == case.answer and plain.task.label.endswith("-nolead")
+    else:
+        assert not text.endswith(lead) and "-nolead" not in dataclasses.replace(task, lead=False).label
 
 
 def test_multihop_chain_is_in_order_and_ends_at_the_value(data):

@@ -191,7 +191,14 @@ class CudaGraphCapture:
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            outputs = fn()
+            # a synchronizing call would invalidate the capture and surface later as "operation failed
+            # due to a previous error during capture"; in this mode it raises where it is made
+            previous = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                outputs = fn()
+            finally:
+                torch.cuda.set_sync_debug_mode(previous)
         self.pool = graph.pool()
         return Graph(graph.replay, outputs)
 

@@ -2,14 +2,21 @@
 deterministically from a seed. The same generator feeds training (prompt + answer, loss on the
 answer only) and the needle-retrieval evaluation (prompt ids and the expected answer, exact match).
 
-A needle is one line of Python, `SECRET_KEY_AMBER_FALCON = "402913"`, inserted between two lines of a
+A needle is one line of Python, `key_static_buffer = "402913"`, inserted between two lines of a
 haystack: consecutive code of one corpus split, from a random line on (wrapping around the split when
 it is shorter than the context). The question comes after the haystack:
 
-    chat:   <|user|>\\n{haystack with needles}\\n{question}<|end|>\\n<|assistant|>\\n   -> {answer}<|end|>
-    plain:  {haystack with needles}\\n# {question}\\n# Answer:                        -> {answer}<|end|>
+    chat:   <|user|>\\n{haystack with needles}\\n{question}<|end|>\\n<|assistant|>\\n{lead}   -> {answer}<|end|>
+    plain:  {haystack with needles}\\n# {question}\\n# Answer:{lead}                        -> {answer}<|end|>
 
-The chat form is exactly what the tokenizer's chat template renders for one user message.
+The chat form is what the tokenizer's chat template renders for one user message, then `lead`.
+The lead (NeedleTask.lead, on by default) opens the answer of a one-value question (single,
+multikey) the way the needle line did: `key_static_buffer = "`, so the first digit follows the
+same tokens as in the haystack (the answer prefix of RULER's needle tasks). The value must still be
+found among needles whose names differ in one word, at any depth; what the lead removes is the
+need for a circuit that maps "the name asked in a question" to "the digits after that name", which
+a 10M-parameter model did not learn from ~40K needle tasks. Multi-query and multi-hop questions
+have no lead.
 
 Task kinds (`NeedleTask`):
 - single:     one needle; ask it.
@@ -48,14 +55,17 @@ from megactx.train.tokenizer import END
 if TYPE_CHECKING:
     from megactx.train.data import SplitTokens
 
-KEY_PREFIX = "SECRET_KEY_"
+KEY_PREFIX = "key_"
 KINDS = ("single", "multikey", "multiquery", "multihop")
-ADJECTIVES = ("AMBER", "BOLD", "BRISK", "CALM", "CEDAR", "COPPER", "CRIMSON", "DUSTY", "EARLY", "FROSTY", "GENTLE",
-              "GOLDEN", "HOLLOW", "IVORY", "JADE", "LUNAR", "MAPLE", "MISTY", "NOBLE", "OCEAN", "PALE", "QUIET",
-              "RAPID", "RUSTY", "SILENT", "SILVER", "SOLAR", "STORMY", "TIMBER", "VELVET", "WILD", "WINTER")
-NOUNS = ("BADGER", "BEACON", "CANYON", "COMET", "CRANE", "DELTA", "EMBER", "FALCON", "FERN", "GLACIER", "HARBOR",
-         "HERON", "ISLAND", "LANTERN", "MEADOW", "OTTER", "PEBBLE", "PRAIRIE", "QUARRY", "RAVEN", "RIVER", "SPARROW",
-         "SUMMIT", "THISTLE", "TIGER", "TUNDRA", "VALLEY", "WALRUS", "WILLOW", "WOLF", "YARROW", "ZEPHYR")
+# Names are key_<adjective>_<noun> from words common in Python source, so that a code tokenizer
+# keeps each word one token: a name is then a few tokens, two of them telling it apart from the
+# others (with the stdlib tokenizer of megactx.train, `key`, `_`, adjective, `_`, noun for all 1024).
+ADJECTIVES = ("active", "base", "blocking", "current", "default", "empty", "external", "final", "first", "global",
+              "initial", "last", "local", "lower", "main", "master", "missing", "normal", "open", "parent", "partial",
+              "pending", "real", "root", "safe", "shared", "short", "simple", "special", "static", "strict", "total")
+NOUNS = ("buffer", "cache", "chunk", "event", "field", "filter", "frame", "group", "handler", "header", "host", "image",
+         "index", "limit", "loop", "mask", "message", "node", "offset", "path", "port", "queue", "record", "signal",
+         "socket", "stack", "stream", "table", "target", "task", "thread", "token")
 MAX_NAMES = 64  # names in one case: far below the 1024 combinations, so near-miss names are always free
 NEWLINE_TOKEN = "\u010a"  # "\n" in the byte-level alphabet
 
@@ -71,6 +81,7 @@ class NeedleTask:
     num_distractors: int = 0  # needles one word off an asked name, with other values
     value_digits: int = 6  # a value is this many decimal digits (one token each)
     chat: bool = True  # chat-formatted prompt; False: plain text ending in "# Answer:"
+    lead: bool = True  # single, multikey: the prompt ends with the asked needle's `name = "` (module docstring)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -102,7 +113,13 @@ class NeedleTask:
         base = {"single": "single", "multikey": f"multikey{self.num_needles}",
                 "multiquery": f"multiquery{self.num_queries}of{self.num_needles}",
                 "multihop": f"multihop{self.hops}"}[self.kind]
-        return base + (f"+{self.num_distractors}d" if self.num_distractors else "") + ("" if self.chat else "-plain")
+        return (base + (f"+{self.num_distractors}d" if self.num_distractors else "") + ("" if self.chat else "-plain")
+                + ("-nolead" if self.has_lead_kind and not self.lead else ""))
+
+    @property
+    def has_lead_kind(self) -> bool:
+        """One value to answer, read off one needle line: the kinds a lead applies to."""
+        return self.kind in ("single", "multikey")
 
 
 STANDARD_TASKS = {
@@ -117,7 +134,7 @@ STANDARD_TASKS = {
 @dataclass(frozen=True)
 class Needle:
     name: str
-    text: str  # the inserted line, e.g. 'SECRET_KEY_AMBER_FALCON = "402913"\n' or 'SECRET_KEY_B = SECRET_KEY_A\n'
+    text: str  # the inserted line, e.g. 'key_static_buffer = "402913"\n' or 'key_main_queue = key_static_buffer\n'
     role: str  # "asked": the answer reads it (a chain's links too); "other": an unasked key; "distractor"
     depth: float  # requested fraction of the haystack's tokens before it
     offset: int = -1  # haystack tokens before it: the line boundary nearest depth * haystack_len
@@ -236,11 +253,12 @@ class NeedleGenerator:
             raise ValueError(f"depth must be in [0, 1], got {depth}")
         rng = random.Random(seed)
         needles, question, answer = self._plan(task, depth, rng)
+        lead = f'{needles[0].name} = "' if task.lead and task.has_lead_kind else ""
         if task.chat:
-            prefix, suffix = self._encode("<|user|>\n"), self._encode(f"\n{question}{END}\n<|assistant|>\n")
+            prefix, suffix = self._encode("<|user|>\n"), self._encode(f"\n{question}{END}\n<|assistant|>\n{lead}")
         else:
-            prefix, suffix = [], self._encode(f"\n# {question}\n# Answer:")
-        answer_ids = [*self._encode(answer if task.chat else f" {answer}"), self.end_id]
+            prefix, suffix = [], self._encode(f"\n# {question}\n# Answer:{' ' + lead if lead else ''}")
+        answer_ids = [*self._encode(answer if task.chat or lead else f" {answer}"), self.end_id]
         needle_ids = [self._encode(n.text) for n in needles]
         fixed = len(prefix) + len(suffix) + sum(map(len, needle_ids))
         fixed += len(answer_ids) if length_includes_answer else 0

@@ -42,6 +42,7 @@ from megactx.config import ModelConfig
 from megactx.model import build_model, load_model, save_pretrained
 from megactx.model.transformer import Transformer
 from megactx.train.losses import DEFAULT_CHUNK_BYTES, LossConfig, Objective
+from megactx.train.needles import STANDARD_TASKS, NeedleDataset
 from megactx.train.trainer import (
     CHECKPOINT,
     STATE_FILE,
@@ -67,18 +68,23 @@ ATTENTION_VARIANTS = ("indexshare", "dsa", "dense")
 class Stage:
     """kind: one of STAGE_KINDS. needle_fraction: share of the stage's sequences that are needle
     tasks instead of code (code data only); needle_len: tokens a needle task, several packed a row
-    when shorter than the rows (None: one task a row)."""
+    when shorter than the rows (None: one task a row); needle_tasks: names of
+    megactx.train.needles.STANDARD_TASKS the needle rows cycle through (None: all of them)."""
 
     kind: str
     train: TrainConfig
     needle_fraction: float = 0.0
     needle_len: int | None = None
+    needle_tasks: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in STAGE_KINDS:
             raise ValueError(f"stage kind must be one of {', '.join(STAGE_KINDS)}, got {self.kind!r}")
         if not 0.0 <= self.needle_fraction <= 1.0:
             raise ValueError(f"needle_fraction must be in [0, 1], got {self.needle_fraction}")
+        unknown = set(self.needle_tasks or ()) - set(STANDARD_TASKS)
+        if unknown or self.needle_tasks == ():
+            raise ValueError(f"needle_tasks must name some of {', '.join(STANDARD_TASKS)}, got {self.needle_tasks}")
 
 
 @dataclass
@@ -226,12 +232,14 @@ class CodeSource:
     "needle_rows" marks those rows, whose loss the Objective weighs apart from the code's).
     needle_len: when shorter than the rows, a needle row packs seq_len // needle_len tasks of
     needle_len tokens (the last one takes the remainder), each with its own needles: many cheap
-    retrieval examples a row, the earlier tasks' needles acting as distractors for the later."""
+    retrieval examples a row, the earlier tasks' needles acting as distractors for the later.
+    needle_tasks: the STANDARD_TASKS names the tasks cycle through (None: all)."""
 
     data: object  # megactx.train.data.TrainingData
     seed: int = 0
     needle_fraction: float = 0.0
     needle_len: int | None = None
+    needle_tasks: tuple[str, ...] | None = None
     _packed: dict = field(default_factory=dict, repr=False)  # (seq_len, epoch) -> PackedDataset
     _needles: object = field(default=None, repr=False)
 
@@ -247,11 +255,10 @@ class CodeSource:
         return self._packed[key]
 
     def _needle_task(self, n: int, seq_len: int) -> dict[str, torch.Tensor]:
-        from megactx.train.needles import NeedleDataset
-
         if self._needles is None:
             self._needles = self.data.needles("train")
-        return NeedleDataset(self._needles, seq_len - 1, num_examples=n + 1, seed=self.seed)[n]
+        tasks = tuple(STANDARD_TASKS[t] for t in self.needle_tasks or STANDARD_TASKS)
+        return NeedleDataset(self._needles, seq_len - 1, num_examples=n + 1, tasks=tasks, seed=self.seed)[n]
 
     def _needle(self, n: int, seq_len: int) -> dict[str, torch.Tensor]:
         """Needle row n: one task of seq_len tokens, or k packed tasks (tasks n·k … n·k + k − 1)."""
@@ -302,7 +309,8 @@ def stage_source(recipe: Recipe, index: int, data) -> TokenSource:
     if recipe.data == "synthetic":
         return RandomTokens(recipe.model.vocab_size, seed=recipe.seed)
     stage = recipe.stages[index]
-    return CodeSource(data, seed=recipe.seed, needle_fraction=stage.needle_fraction, needle_len=stage.needle_len)
+    return CodeSource(data, seed=recipe.seed, needle_fraction=stage.needle_fraction, needle_len=stage.needle_len,
+                      needle_tasks=stage.needle_tasks)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -511,31 +519,43 @@ def smoke_recipe() -> Recipe:
 
 
 def tiny_recipe() -> Recipe:
-    """megactx-tiny (the `tiny` preset with top-k 128 and IndexShare 1/4, the pattern FSSSFSSS: two
-    full layers of eight; ~10M parameters) on the stdlib code corpus (~2.6M train tokens), for one
-    H200 (about 10 GPU-minutes for the stages in a row).
+    """megactx-tiny (the `tiny` preset with top-k 128 and IndexShare 1/4: two full layers of eight,
+    the pattern FFSSSSSS; ~10M parameters) on the stdlib code corpus (~2.6M train tokens), for one
+    H200 (about 13 GPU-minutes for the stages in a row).
+
+    The pattern: like GLM-5.2, whose first layers keep their own indexers (index_skip_topk_offset)
+    before the groups of four, layer 0 keeps its indexer and layer 1's serves the rest. The uniform
+    FSSSFSSS shares layer 0's top-k with layers 1-3; `megactx indexshare-search` from the
+    every-layer-DSA ablation of an earlier run found FFSSSSSS within 0.01 nats/token of all eight
+    indexers and FSSSFSSS 0.90 nats/token behind it, and with FSSSFSSS the sparse stage ended 3.3%
+    above every-layer DSA in held-out bits per byte.
 
     Needle tasks are half the rows of the backbone stages, packed several to a row (512 tokens
-    each in `dense` and `warmup`, 1024 in `sparse`, one 64K task a row in `extend`); their answer
-    loss is weighed apart from the code's (LossConfig.needle_weight), so that retrieval is learnt
-    at short lengths, its attention distilled into the indexers, and then extended.
+    each in `dense` and `warmup`, 1024 in `sparse`, one 64K task a row in `extend`, whose steps
+    take a code row and a needle row each); their answer loss is weighed apart from the code's
+    (LossConfig.needle_weight), so that retrieval is learnt at short lengths, its attention
+    distilled into the indexers, and then extended. The dense stages ask one value (single,
+    multikey, distractors); multi-query and multi-hop tasks join from `sparse` on.
 
-    Tokens: dense 600 × 16 × 2048 ≈ 20M (code ~4 passes over the corpus, ~19K needle tasks),
-    warm-up 3.3M, sparse 300 × 8 × 4096 ≈ 10M, extend 100 × 64K ≈ 6.6M, MTP 100 × 16 × 2048 +
+    Tokens: dense 1200 × 16 × 2048 ≈ 39M (code ~7 passes over the corpus, ~38K needle tasks),
+    warm-up 3.3M, sparse 300 × 8 × 4096 ≈ 10M, extend 60 × 2 × 64K ≈ 7.9M, MTP 100 × 16 × 2048 +
     150 × 8 × 4096 ≈ 8M (the backbone frozen; the pipeline trains three MTP variants at once).
     max_position_embeddings is 1M so that the needle evaluation may run past the trained length.
     Scale the steps with `megactx train --steps-scale`."""
-    model = ModelConfig.from_pretrained("tiny").replace(index_topk=128, index_topk_pattern="FSSSFSSS",
+    model = ModelConfig.from_pretrained("tiny").replace(index_topk=128, index_topk_pattern="FFSSSSSS",
                                                         max_position_embeddings=1 << 20)
 
     def train(steps: int, seq_len: int, batch: int, micro: int, lr: float, warmup: int) -> TrainConfig:
         return TrainConfig(steps=steps, seq_len=seq_len, global_batch=batch, micro_batch=micro, lr=lr,
                            warmup_steps=warmup, save_every=100)
 
-    stages = [Stage("dense", train(600, 2048, 16, 16, 2e-3, 60), needle_fraction=0.5, needle_len=512),
-              Stage("warmup", train(100, 2048, 16, 16, 1e-3, 10), needle_fraction=0.5, needle_len=512),
+    lookups = ("single", "multikey", "distractors")  # one value to find: the retrieval circuit first
+    stages = [Stage("dense", train(1200, 2048, 16, 16, 2e-3, 60), needle_fraction=0.5, needle_len=512,
+                    needle_tasks=lookups),
+              Stage("warmup", train(100, 2048, 16, 16, 1e-3, 10), needle_fraction=0.5, needle_len=512,
+                    needle_tasks=lookups),
               Stage("sparse", train(300, 4096, 8, 8, 1e-3, 30), needle_fraction=0.5, needle_len=1024),
-              Stage("extend", train(100, 65536, 1, 1, 3e-4, 10), needle_fraction=0.5),
+              Stage("extend", train(60, 65536, 2, 1, 3e-4, 6), needle_fraction=0.5),
               Stage("mtp_warmup", train(100, 2048, 16, 16, 1e-3, 10)),
               Stage("mtp", train(150, 4096, 8, 8, 1e-3, 15))]
     return Recipe("tiny", model, stages, data="code", chunk_bytes=1 << 30)
