@@ -225,7 +225,7 @@ def needle_demo(model: Transformer, path: Path, generator: NeedleGenerator, cont
 
 
 def show_needle(run: NeedleRun, cfg: ModelConfig) -> None:
-    from megactx.train.evaluate import context_label
+    from megactx.analysis.flops import context_label
     from megactx.train.tokenizer import END
 
     case = run.case

@@ -161,7 +161,8 @@ def parse_context(text: str) -> list[int]:
     return out
 
 
-def _context_label(n: int) -> str:
+def context_label(n: int) -> str:
+    """4096 -> "4K", 1048576 -> "1M", 1000 -> "1000"."""
     for suffix, mult in (("M", 1024 * 1024), ("K", 1024)):
         if n % mult == 0:
             return f"{n // mult}{suffix}"
@@ -193,7 +194,7 @@ def format_table(results: dict[str, list[TokenCost]]) -> str:
         for c in costs:
             f = c.flops
             lines.append(
-                f"{_context_label(c.context):>8}"
+                f"{context_label(c.context):>8}"
                 + "".join(f" {f[k] / scale:>9.1f}" for k in (*FLOP_BUCKETS, "total"))
                 + f" {f['total'] / 1e12:>7.3f}"
                 + f" {c.kv_bytes['total_fp8'] / 1e3:>9.1f} {c.kv_bytes['total_bf16'] / 1e3:>9.1f}"
@@ -206,7 +207,7 @@ def format_table(results: dict[str, list[TokenCost]]) -> str:
         for ca, cb in zip(results[a], results[b]):
             if ca.context != cb.context:
                 continue
-            lines.append(f"{b} / {a} FLOPs per token at {_context_label(ca.context)}: "
+            lines.append(f"{b} / {a} FLOPs per token at {context_label(ca.context)}: "
                          f"{cb.flops['total'] / ca.flops['total']:.2f}x")
         ka, kb = results[a][0].kv_bytes["total_fp8"], results[b][0].kv_bytes["total_fp8"]
         lines.append(f"{b} / {a} fp8 KV bytes per token: {kb / ka:.2f}x")

@@ -32,10 +32,10 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from megactx.analysis.flops import context_label, parse_context
 from megactx.train.needles import STANDARD_TASKS, NeedleCase, NeedleGenerator, NeedleTask
 
 PROG = "megactx eval"
-CONTEXT_SUFFIXES = {"k": 1 << 10, "m": 1 << 20}  # binary: 4k = 4096, 1m = 1048576 tokens
 CONTEXT_LADDER = (1 << 12, 1 << 14, 1 << 16, 1 << 17, 1 << 18, 1 << 19, 1 << 20)  # 4K, 16K, 64K, 128K ... 1M
 DEFAULT_BPB_CONTEXT = "1k"
 DEFAULT_CASES = 200  # the issue asks for at least 200 cases a context
@@ -49,28 +49,10 @@ Z_95 = 1.959963984540054  # two-sided 95% normal quantile, for Wilson intervals
 def parse_contexts(text: str) -> list[int]:
     """"4k,16k,1m" -> [4096, 16384, 1048576] (k = 1024, m = 1024**2; plain numbers are tokens),
     sorted and without repeats."""
-    out = set()
-    for part in (p.strip().lower() for p in text.split(",") if p.strip()):
-        scale = CONTEXT_SUFFIXES.get(part[-1], 1)
-        number = part[:-1] if part[-1] in CONTEXT_SUFFIXES else part
-        try:
-            value = float(number) * scale
-        except ValueError:
-            raise ValueError(f"--contexts takes lengths like 4k,16k,1m or 4096, got {part!r}") from None
-        if value < 1 or value != int(value):
-            raise ValueError(f"--contexts: {part!r} is not a whole positive number of tokens")
-        out.add(int(value))
-    if not out:
-        raise ValueError(f"--contexts is empty: give lengths like 4k,16k,1m, got {text!r}")
-    return sorted(out)
-
-
-def context_label(length: int) -> str:
-    """4096 -> "4K", 1048576 -> "1M", 1000 -> "1000"."""
-    for suffix, scale in (("M", 1 << 20), ("K", 1 << 10)):
-        if length % scale == 0:
-            return f"{length // scale}{suffix}"
-    return str(length)
+    try:
+        return sorted(set(parse_context(text)))
+    except ValueError as e:
+        raise ValueError(f"--contexts takes lengths like 4k,16k,1m or 4096: {e}") from None
 
 
 def wilson_interval(correct: int, total: int, z: float = Z_95) -> tuple[float, float]:
