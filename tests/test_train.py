@@ -494,6 +494,37 @@ def test_code_source_feeds_packed_code_and_needle_tasks(tmp_path):
     torch.testing.assert_close(metrics["lm"], code["lm"])
     torch.testing.assert_close(metrics["needle"], needles["lm"])
     torch.testing.assert_close(loss, code["lm"] + 0.5 * needles["lm"])
+    # a batch without needle rows (or without code rows) reports that term as NaN, adds nothing
+    loss, metrics = objective(ids[1::2], mask[1::2], batch["needle_rows"][1::2])
+    assert metrics["needle"].isnan() and loss == metrics["lm"] == code["lm"]
+
+    # the trainer means each metric over the micro-batches that had it: steps of one needle row and
+    # one code row (micro-batches of 1) report each row's own loss, not half of it
+    class Rows:
+        def examples(self, start: int, count: int, seq_len: int) -> dict[str, torch.Tensor]:
+            rows = slice(start % 2, start % 2 + count)
+            return {"input_ids": ids[rows], "loss_mask": mask[rows], "needle_rows": batch["needle_rows"][rows]}
+
+    cfg = TrainConfig(steps=1, seq_len=64, global_batch=2, micro_batch=1, lr=0.0)
+    row = Trainer(objective, Rows(), cfg, tmp_path / "rows", ctx=init_distributed("cpu"), progress=False).train_step()
+    assert row["needle"] == pytest.approx(float(objective(ids[0:1], mask[0:1])[1]["lm"]), rel=2e-3)  # train mode
+    assert row["lm"] == pytest.approx(float(objective(ids[1:2], mask[1:2])[1]["lm"]), rel=2e-3)
+
+    # copy rows: every other code row is its first half twice, scored on the second occurrence
+    mixed = CodeSource(data, seed=0, needle_fraction=0.5, copy_fraction=0.5)
+    batch = mixed.examples(0, 8, 600)
+    assert batch["needle_rows"].tolist() == [True, False] * 4
+    assert batch["copy_rows"].tolist() == [False, True, False, False] * 2
+    ids, mask = batch["input_ids"][1], batch["loss_mask"][1]
+    first_half = source.examples(1, 1, 600)["input_ids"][0, :300]  # code row 1 as a plain code row
+    assert torch.equal(ids[:300], ids[300:]) and torch.equal(ids[:300], first_half)
+    assert not mask[:300].any() and mask[300:].all()  # from the copy's second token on
+    objective = Objective(model, LossConfig(copy_weight=2.0))
+    loss, metrics = objective(batch["input_ids"][:4, -64:], batch["loss_mask"][:4, -63:], batch["needle_rows"][:4],
+                              batch["copy_rows"][:4])
+    _, alone = objective(batch["input_ids"][1:2, -64:], batch["loss_mask"][1:2, -63:])
+    torch.testing.assert_close(metrics["copy"], alone["lm"])
+    torch.testing.assert_close(loss, metrics["lm"] + metrics["needle"] + 2.0 * metrics["copy"])
 
     packed = CodeSource(data, seed=0, needle_fraction=1.0, needle_len=400)
     row = packed.examples(0, 1, 1200)

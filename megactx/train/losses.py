@@ -459,8 +459,9 @@ class LossConfig:
     IndexShare + KVShare across steps. indexer_weight: the KL's weight in the total (it shares no
     parameters with the other terms). needle_weight: weight of the needle rows' LM loss (the mean
     over their answer tokens), kept apart from the code rows' mean, where a few answer tokens
-    among thousands of code tokens would carry almost no gradient. chunk_bytes: transient memory
-    of one attention chunk."""
+    among thousands of code tokens would carry almost no gradient. copy_weight: weight of the copy
+    rows' LM loss (a code window's second occurrence, `recipe.CodeSource`), kept apart likewise.
+    chunk_bytes: transient memory of one attention chunk."""
 
     lm: bool = True
     attention: str = "dense"
@@ -471,6 +472,7 @@ class LossConfig:
     mtp_share: bool = True
     indexer_weight: float = 1.0
     needle_weight: float = 1.0
+    copy_weight: float = 1.0
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
 
     def __post_init__(self) -> None:
@@ -510,35 +512,43 @@ class Objective(nn.Module):
         self.attention = TrainingAttention(model, dense, trained[cfg.indexers], cfg.chunk_bytes)
 
     def forward(self, input_ids: torch.Tensor, loss_mask: torch.Tensor | None = None,
-                needle_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                needle_rows: torch.Tensor | None = None,
+                copy_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """input_ids: [B, S]; loss_mask: [B, S − 1] bool, True where target input_ids[:, j + 1]
-        counts in the LM loss (None: all); needle_rows: [B] bool, rows that are needle tasks: their
-        LM loss is the term "needle" (weight cfg.needle_weight), the other rows' is "lm". The MTP
-        terms count every anchor."""
+        counts in the LM loss (None: all); needle_rows / copy_rows: [B] bool, rows that are needle
+        tasks / repeated code windows: their LM loss is the term "needle" / "copy" (weights
+        cfg.needle_weight / cfg.copy_weight), the other rows' is "lm". The MTP terms count every
+        anchor."""
         cfg, model = self.cfg, self.model
         backbone_graph = cfg.lm or cfg.indexers == "backbone"
         terms: dict[str, torch.Tensor] = {}
         metrics: dict[str, torch.Tensor] = {}
+        absent: dict[str, torch.Tensor] = {}  # terms without rows in this batch: NaN in the metrics
         with self.attention.installed(model):
             with torch.set_grad_enabled(backbone_graph and torch.is_grad_enabled()):
                 hidden = model.hidden_states(input_ids)  # [B, S, D]
             if cfg.lm:
                 labels = input_ids[:, 1:] if loss_mask is None else input_ids[:, 1:].masked_fill(~loss_mask, IGNORE)
                 labels = F.pad(labels, (0, 1), value=IGNORE)  # [B, S]: the last position has no target
-                if needle_rows is None:
+                kinds = {name: rows for name, rows in (("needle", needle_rows), ("copy", copy_rows))
+                         if rows is not None}
+                if not kinds:
                     terms["lm"] = lm_loss(model, hidden, labels, cfg.chunk_bytes)
-                else:  # both terms always (0 for no rows), so every rank reports the same metrics
-                    for name, rows in (("lm", ~needle_rows), ("needle", needle_rows)):
-                        terms[name] = (lm_loss(model, hidden[rows], labels[rows], cfg.chunk_bytes) if rows.any()
-                                       else hidden.sum() * 0.0)
+                else:  # every term always (0 for no rows, reported as NaN), so every rank has the same metrics
+                    kinds = {"lm": ~torch.stack(list(kinds.values())).any(0)} | kinds
+                    for name, rows in kinds.items():
+                        if rows.any():
+                            terms[name] = lm_loss(model, hidden[rows], labels[rows], cfg.chunk_bytes)
+                        else:
+                            terms[name], absent[name] = hidden.sum() * 0.0, torch.tensor(float("nan"))
             if cfg.mtp_steps:
                 terms.update(self._mtp_terms(input_ids, hidden.detach(), metrics))
             losses = self.attention.finish()
         if losses:
             terms["indexer_kl"] = torch.stack(losses).mean()
-        weights = {"indexer_kl": cfg.indexer_weight, "needle": cfg.needle_weight}
+        weights = {"indexer_kl": cfg.indexer_weight, "needle": cfg.needle_weight, "copy": cfg.copy_weight}
         loss = sum(weights.get(name, 1.0) * t for name, t in terms.items())
-        metrics.update({name: t.detach().float() for name, t in terms.items()})
+        metrics.update({name: t.detach().float() for name, t in terms.items()} | absent)
         metrics["loss"] = loss.detach().float()
         return loss, metrics
 

@@ -69,19 +69,23 @@ class Stage:
     """kind: one of STAGE_KINDS. needle_fraction: share of the stage's sequences that are needle
     tasks instead of code (code data only); needle_len: tokens a needle task, several packed a row
     when shorter than the rows (None: one task a row); needle_tasks: names of
-    megactx.train.needles.STANDARD_TASKS the needle rows cycle through (None: all of them)."""
+    megactx.train.needles.STANDARD_TASKS the needle rows cycle through (None: all of them);
+    copy_fraction: share of the other (code) rows that are copy rows, a code window followed by
+    itself (see CodeSource)."""
 
     kind: str
     train: TrainConfig
     needle_fraction: float = 0.0
     needle_len: int | None = None
     needle_tasks: tuple[str, ...] | None = None
+    copy_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kind not in STAGE_KINDS:
             raise ValueError(f"stage kind must be one of {', '.join(STAGE_KINDS)}, got {self.kind!r}")
-        if not 0.0 <= self.needle_fraction <= 1.0:
-            raise ValueError(f"needle_fraction must be in [0, 1], got {self.needle_fraction}")
+        for name in ("needle_fraction", "copy_fraction"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         unknown = set(self.needle_tasks or ()) - set(STANDARD_TASKS)
         if unknown or self.needle_tasks == ():
             raise ValueError(f"needle_tasks must name some of {', '.join(STANDARD_TASKS)}, got {self.needle_tasks}")
@@ -233,13 +237,20 @@ class CodeSource:
     needle_len: when shorter than the rows, a needle row packs seq_len // needle_len tasks of
     needle_len tokens (the last one takes the remainder), each with its own needles: many cheap
     retrieval examples a row, the earlier tasks' needles acting as distractors for the later.
-    needle_tasks: the STANDARD_TASKS names the tasks cycle through (None: all)."""
+    needle_tasks: the STANDARD_TASKS names the tasks cycle through (None: all).
+
+    copy_fraction > 0: every round(1 / copy_fraction)-th code row is a copy row instead: the first
+    half of that code row, then the same tokens again, the loss on the second occurrence only
+    ("copy_rows"). Predicting text seen before is what retrieval needs (induction heads), and a
+    small model trained on ~40M code tokens does not learn it from code alone: an earlier megactx-tiny
+    run predicted a repeated 100-token code window no better than its first occurrence."""
 
     data: object  # megactx.train.data.TrainingData
     seed: int = 0
     needle_fraction: float = 0.0
     needle_len: int | None = None
     needle_tasks: tuple[str, ...] | None = None
+    copy_fraction: float = 0.0
     _packed: dict = field(default_factory=dict, repr=False)  # (seq_len, epoch) -> PackedDataset
     _needles: object = field(default=None, repr=False)
 
@@ -271,18 +282,36 @@ class CodeSource:
         masks = [m for t in tasks[:-1] for m in (t["loss_mask"], no_target)] + [tasks[-1]["loss_mask"]]
         return {"input_ids": torch.cat([t["input_ids"] for t in tasks]), "loss_mask": torch.cat(masks)}
 
+    @staticmethod
+    def _copy(row: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A code row's first half, then the same tokens again; targets: the second occurrence (but
+        its first token, which nothing announces)."""
+        ids = row["input_ids"]  # [L]
+        half = (len(ids) + 1) // 2
+        mask = torch.zeros(len(ids) - 1, dtype=torch.bool)
+        mask[half:] = True  # target j + 1 = half + 1 .. L - 1: the copy's second token on
+        return {"input_ids": torch.cat([ids[:half], ids[: len(ids) - half]]), "loss_mask": mask}
+
     def examples(self, start: int, count: int, seq_len: int) -> dict[str, torch.Tensor]:
         every = round(1 / self.needle_fraction) if self.needle_fraction else 0
+        copy_every = round(1 / self.copy_fraction) if self.copy_fraction else 0
         per_epoch = len(self._epoch(seq_len, 0))  # every epoch packs the same documents: same row count
-        rows, needle = [], []
+        rows, needle, copy = [], [], []
         for n in range(start, start + count):
             needle.append(bool(every) and n % every == 0)
-            rows.append(self._needle(n // every, seq_len) if needle[-1] else
-                        self._epoch(seq_len, n // per_epoch)[n % per_epoch])
+            code = n - (n // every + 1 if every else 0)  # code rows before this one: rows minus needle rows
+            copy.append(not needle[-1] and bool(copy_every) and code % copy_every == 0)
+            if needle[-1]:
+                rows.append(self._needle(n // every, seq_len))
+            else:
+                row = self._epoch(seq_len, n // per_epoch)[n % per_epoch]
+                rows.append(self._copy(row) if copy[-1] else row)
         batch = {"input_ids": torch.stack([r["input_ids"] for r in rows]),
                  "loss_mask": torch.stack([r["loss_mask"] for r in rows])}
         if every:
             batch["needle_rows"] = torch.tensor(needle)  # the Objective weighs their loss apart
+        if copy_every:
+            batch["copy_rows"] = torch.tensor(copy)
         return batch
 
 
@@ -310,7 +339,7 @@ def stage_source(recipe: Recipe, index: int, data) -> TokenSource:
         return RandomTokens(recipe.model.vocab_size, seed=recipe.seed)
     stage = recipe.stages[index]
     return CodeSource(data, seed=recipe.seed, needle_fraction=stage.needle_fraction, needle_len=stage.needle_len,
-                      needle_tasks=stage.needle_tasks)
+                      needle_tasks=stage.needle_tasks, copy_fraction=stage.copy_fraction)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -535,7 +564,10 @@ def tiny_recipe() -> Recipe:
     take a code row and a needle row each); their answer loss is weighed apart from the code's
     (LossConfig.needle_weight), so that retrieval is learnt at short lengths, its attention
     distilled into the indexers, and then extended. The dense stages ask one value (single,
-    multikey, distractors); multi-query and multi-hop tasks join from `sparse` on.
+    multikey, distractors); multi-query and multi-hop tasks join from `sparse` on. Half the code
+    rows are copy rows (a window, then the same window again: CodeSource), the dense signal that
+    teaches the model to find and continue earlier text, which the needles then use; the earlier
+    run without them never learnt to (its needle loss stayed at chance).
 
     Tokens: dense 1200 × 16 × 2048 ≈ 39M (code ~7 passes over the corpus, ~38K needle tasks),
     warm-up 3.3M, sparse 300 × 8 × 4096 ≈ 10M, extend 60 × 2 × 64K ≈ 7.9M, MTP 100 × 16 × 2048 +
@@ -551,11 +583,12 @@ def tiny_recipe() -> Recipe:
 
     lookups = ("single", "multikey", "distractors")  # one value to find: the retrieval circuit first
     stages = [Stage("dense", train(1200, 2048, 16, 16, 2e-3, 60), needle_fraction=0.5, needle_len=512,
-                    needle_tasks=lookups),
+                    needle_tasks=lookups, copy_fraction=0.5),
               Stage("warmup", train(100, 2048, 16, 16, 1e-3, 10), needle_fraction=0.5, needle_len=512,
-                    needle_tasks=lookups),
-              Stage("sparse", train(300, 4096, 8, 8, 1e-3, 30), needle_fraction=0.5, needle_len=1024),
-              Stage("extend", train(60, 65536, 2, 1, 3e-4, 6), needle_fraction=0.5),
+                    needle_tasks=lookups, copy_fraction=0.5),
+              Stage("sparse", train(300, 4096, 8, 8, 1e-3, 30), needle_fraction=0.5, needle_len=1024,
+                    copy_fraction=0.5),
+              Stage("extend", train(60, 65536, 2, 1, 3e-4, 6), needle_fraction=0.5, copy_fraction=0.5),
               Stage("mtp_warmup", train(100, 2048, 16, 16, 1e-3, 10)),
               Stage("mtp", train(150, 4096, 8, 8, 1e-3, 15))]
     return Recipe("tiny", model, stages, data="code", chunk_bytes=1 << 30)

@@ -45,6 +45,7 @@ from megactx.model.weights import save_pretrained
 STATE_FILE = "trainer_state.pt"
 CHECKPOINT = "checkpoint"
 METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "train_config.json"  # the TrainConfig, beside metrics.jsonl
 PLOT_FILE = "loss.png"
 SEED_STRIDE = 1_000_003  # RandomTokens: a prime far above any example count, so seeds never share examples
 
@@ -302,6 +303,9 @@ class Trainer:
 
         end = self.cfg.steps if max_steps is None else min(self.cfg.steps, self.step + max_steps)
         start_time, saved_at = time.perf_counter(), self.step
+        if self.ctx.is_main:  # what the stage trains with, readable without loading the checkpoint
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            (self.out_dir / CONFIG_FILE).write_text(json.dumps(asdict(self.cfg), indent=1) + "\n")
         bar = tqdm(total=self.cfg.steps, initial=self.step, desc=self.label, unit="step", dynamic_ncols=True,
                    disable=not (self.progress and self.ctx.is_main))
         while self.step < end:
@@ -331,13 +335,16 @@ class Trainer:
         t0 = time.perf_counter()
         self.module.train()
         sums: dict[str, torch.Tensor] = {}
+        counts: dict[str, torch.Tensor] = {}  # micro-batches that had each metric (NaN: a term without rows)
         for micro in range(self.accum):
             batch = {k: v.to(self.ctx.device, non_blocking=True) for k, v in self.micro_batch(self.step, micro).items()}
             with self._grad_sync(micro == self.accum - 1), self.autocast():
                 loss, metrics = self.module(**batch)
             (loss / self.accum).backward()
             for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + v.detach().float() / self.accum
+                v = v.detach().float().to(self.ctx.device)
+                sums[k] = sums.get(k, 0.0) + torch.nan_to_num(v, nan=0.0)
+                counts[k] = counts.get(k, 0.0) + (~v.isnan()).float()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
@@ -349,13 +356,15 @@ class Trainer:
         self.step += 1
 
         names = sorted(sums)
-        values = torch.stack([sums[k] for k in names] + [grad_norm.float().to(self.ctx.device)])
+        values = torch.stack([sums[k] for k in names] + [counts[k] for k in names]
+                             + [grad_norm.float().to(self.ctx.device)])
         if dist.is_initialized():
             dist.all_reduce(values)
-            values[:-1] /= self.ctx.world
             values[-1] /= self.ctx.world  # every rank holds the same clipped norm
-        row = {"step": self.step, **dict(zip(names, values[:-1].tolist())), "grad_norm": values[-1].item(),
-               "lr": lr}
+        n = len(names)
+        means = (values[:n] / values[n : 2 * n]).tolist()  # over the micro-batches (of all ranks) that had it
+        row = {"step": self.step, **{k: m for k, m in zip(names, means) if not math.isnan(m)},
+               "grad_norm": values[-1].item(), "lr": lr}
         row["tokens_per_s"] = self.cfg.global_batch * self.cfg.seq_len / (time.perf_counter() - t0)
         self.history.append(row)
         if self.ctx.is_main:
@@ -465,7 +474,7 @@ def plot_history(history: list[dict], path: str | Path, title: str = "") -> Path
     import matplotlib.pyplot as plt
 
     skip = {"step", "lr", "tokens_per_s", "grad_norm"}
-    names = [k for k in history[-1] if k not in skip]
+    names = list(dict.fromkeys(k for row in history for k in row if k not in skip))  # a term may skip rows
     fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.2), squeeze=False)
     steps = [row["step"] for row in history]
     for ax, name in zip(axes[0], names):
