@@ -44,8 +44,8 @@ def test_serve_defaults_to_the_shipped_model(tmp_path, monkeypatch):
     monkeypatch.setattr("megactx.models.SHIPPED_MODEL_DIR", shipped)
     served = {}
 
-    def build_app(llm, served_model_name, max_queued_requests):
-        served.update(llm=llm, name=served_model_name)
+    def build_app(llm, served_model_name, max_queued_requests, max_handovers_per_s):
+        served.update(llm=llm, name=served_model_name, handovers=max_handovers_per_s)
         return "app"
 
     monkeypatch.setattr("megactx.serve.api.build_app", build_app)
@@ -55,6 +55,7 @@ def test_serve_defaults_to_the_shipped_model(tmp_path, monkeypatch):
     assert served["llm"].cfg.num_hidden_layers == 2 and served["llm"].tokenizer is not None
     assert served["llm"].max_model_len == CPU_MAX_MODEL_LEN  # not the model's 65536 positions, on a CPU
     assert served["llm"].spec.config.num_speculative_tokens == 7  # the checkpoint has an MTP layer
+    assert served["handovers"] == 2000.0  # the event budget's default
     assert main(["serve", "--device", "cpu", "--max-num-seqs", "1", "--max-model-len", "128",
-                 "--num-speculative-tokens", "0"]) == 0
-    assert served["llm"].max_model_len == 128 and served["llm"].spec is None
+                 "--num-speculative-tokens", "0", "--max-handovers-per-s", "0"]) == 0
+    assert served["llm"].max_model_len == 128 and served["llm"].spec is None and served["handovers"] == 0

@@ -49,6 +49,7 @@ def add_serve_parser(subparsers) -> None:
     defaults are LLM's own."""
     from megactx.engine.llm import LLM
     from megactx.engine.spec_decode import DRAFT_ACCEPTANCE, MTP_MODES
+    from megactx.serve.async_engine import DEFAULT_MAX_HANDOVERS_PER_S
 
     defaults = {name: p.default for name, p in inspect.signature(LLM.__init__).parameters.items()}
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, SSE, metrics)",
@@ -81,6 +82,10 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
                    help="sequences (a request with n completions counts n) that may wait beyond --max-num-seqs; "
                         "past that, new requests get 503 with Retry-After (default %(default)s)")
+    p.add_argument("--max-handovers-per-s", type=float, default=DEFAULT_MAX_HANDOVERS_PER_S,
+                   help="streamed events a second, all streams together: past that, a stream's tokens go out "
+                        "several to an event, so the HTTP work does not slow the engine (0 = an event every "
+                        "step; default %(default)s)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="tokens the checkpoint's MTP layer drafts a step, verified in one target forward; 0 = off "
                         f"(default: {DEFAULT_NUM_SPECULATIVE_TOKENS} when the checkpoint has an MTP layer, as "
@@ -129,6 +134,8 @@ def run_serve(args: argparse.Namespace) -> int:
         return _fail(f"--num-speculative-tokens must be >= 0 (0 = off), got {args.num_speculative_tokens}")
     if args.max_queued_requests < 0:
         return _fail(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
+    if args.max_handovers_per_s < 0:
+        return _fail(f"--max-handovers-per-s must be >= 0 (0 = an event every step), got {args.max_handovers_per_s}")
     model = args.model or shipped_model()
     if model is None:
         return _fail(f"no --model given, and {shipped_model_missing()}: --model PATH is required, a checkpoint "
@@ -161,7 +168,8 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         return _fail(str(e))
     name = args.served_model_name or path.resolve().name
-    app = build_app(llm, served_model_name=name, max_queued_requests=args.max_queued_requests)
+    app = build_app(llm, served_model_name=name, max_queued_requests=args.max_queued_requests,
+                    max_handovers_per_s=args.max_handovers_per_s)
     logging.getLogger("megactx.serve").info("serving %s as %r on http://%s:%d", path, name, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
