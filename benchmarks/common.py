@@ -23,6 +23,7 @@ import math
 import platform
 import re
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -31,6 +32,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import torch
+
+from megactx.analysis.flops import context_label
 
 MEASURED, SAMPLED, EXTRAPOLATED = "measured", "sampled", "extrapolated"
 _METHOD_ORDER = (MEASURED, SAMPLED, EXTRAPOLATED)  # weakest evidence last
@@ -335,11 +338,20 @@ def fmt_num(x: float | None, digits: int = 3) -> str:
 
 
 def fmt_context(n: int) -> str:
-    """32768 -> '32K', 1048576 -> '1M', 1000 -> '1000'."""
-    for suffix, mult in (("M", 1 << 20), ("K", 1 << 10)):
-        if n % mult == 0:
-            return f"{n // mult}{suffix}"
-    return str(n)
+    """32768 -> '32K', 1048576 -> '1M', 1000 -> '1000' (megactx's own context label)."""
+    return context_label(n)
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM (a server drains and exits), then SIGKILL after timeout_s; waits for the exit."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def md_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

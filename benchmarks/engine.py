@@ -51,7 +51,6 @@ import json
 import math
 import os
 import shlex
-import signal
 import socket
 import statistics
 import subprocess
@@ -78,6 +77,7 @@ from benchmarks.common import (
     measure_machine_ceilings,
     rerender_from_json,
     save_figure,
+    stop_process,
     write_suite_reports,
 )
 
@@ -423,13 +423,8 @@ class ServeProcess:
         return ("…" + text[-LOG_TAIL_CHARS:]) if len(text) > LOG_TAIL_CHARS else (text or "(no output)")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(SERVER_STOP_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop_process(self.proc, SERVER_STOP_S)
         self.log.close()
         Path(self.log.name).unlink(missing_ok=True)
 

@@ -407,12 +407,9 @@ class ServerProcess:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(SERVER_STOP_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        from benchmarks.common import stop_process
+
+        stop_process(self.proc, SERVER_STOP_S)
         self.sock.close()
         self.log.close()
 

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from megactx import LLM, ModelConfig, SamplingParams
-from megactx.engine.model_runner import EagerCapture, StaticBatch, host_block_table
+from megactx.engine.model_runner import EagerCapture, StaticBatch
 from megactx.model import build_model
+from megactx.model.paged import host_block_table
 
 VOCAB = 512
 

@@ -45,7 +45,9 @@ from megactx.model.paged import (
     PagedLayerCache,
     alloc_caches,
     cache_bytes_per_token,
+    host_block_table,
     kernel_ops,
+    slots_of,
 )
 from megactx.model.transformer import Transformer
 
@@ -233,22 +235,6 @@ def _buckets(largest: int, first: int) -> list[int]:
     while out[-1] < largest:
         out.append(min(out[-1] * 2, largest))
     return out
-
-
-def host_block_table(tables: Sequence[Sequence[int]], bsz: int) -> torch.Tensor:
-    """Block tables of the first len(tables) of bsz sequences -> [bsz, width] int32 on the host,
-    0-padded; width = the longest table (at least 1)."""
-    table = torch.zeros(bsz, max(1, max((len(t) for t in tables), default=0)), dtype=torch.int32)
-    for b, t in enumerate(tables):
-        table[b, : len(t)] = torch.as_tensor(t, dtype=torch.int32)
-    return table
-
-
-def slots_of(table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """table: [B, W] int32 physical blocks, positions: [B, N] int64 (each inside its table) ->
-    slots [B, N] int64."""
-    blocks = table.gather(1, (positions // BLOCK_SIZE).clamp_max(table.shape[1] - 1)).long()
-    return blocks * BLOCK_SIZE + positions % BLOCK_SIZE
 
 
 class StaticBatch:

@@ -48,7 +48,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from megactx.config import ModelConfig
-from megactx.engine.model_runner import host_block_table, slots_of
 from megactx.engine.rejection_sampler import draw_uniforms, greedy_verify, rejection_sample
 from megactx.engine.sampler import (
     SamplingTensors,
@@ -63,7 +62,7 @@ from megactx.engine.scheduler import ScheduledSeq
 from megactx.engine.sequence import Sequence as Seq
 from megactx.engine.sequence import SequenceStatus
 from megactx.kernels.reference import BLOCK_SIZE
-from megactx.model.paged import PagedBatch, PagedLayerCache
+from megactx.model.paged import PagedBatch, PagedLayerCache, host_block_table, slots_of
 
 if TYPE_CHECKING:
     from megactx.engine.model_runner import ModelRunner, StepGraphs

@@ -53,6 +53,22 @@ def kernel_ops(backend: str) -> KernelOps:
     raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
 
 
+def host_block_table(tables: Sequence[Sequence[int]], bsz: int) -> torch.Tensor:
+    """Block tables of the first len(tables) of bsz sequences -> [bsz, width] int32 on the host,
+    0-padded; width = the longest table (at least 1)."""
+    table = torch.zeros(bsz, max(1, max((len(t) for t in tables), default=0)), dtype=torch.int32)
+    for b, t in enumerate(tables):
+        table[b, : len(t)] = torch.as_tensor(t, dtype=torch.int32)
+    return table
+
+
+def slots_of(table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """table: [B, W] int32 physical blocks, positions: [B, N] int64 (each inside its table) ->
+    slots [B, N] int64."""
+    blocks = table.gather(1, (positions // ref.BLOCK_SIZE).clamp_max(table.shape[1] - 1)).long()
+    return blocks * ref.BLOCK_SIZE + positions % ref.BLOCK_SIZE
+
+
 @dataclass
 class PagedBatch:
     """Metadata of one forward over paged caches: T tokens of B sequences, flattened in one row.
@@ -90,10 +106,7 @@ class PagedBatch:
             seq_idx.append(torch.full((n,), b, dtype=torch.int32))
         pos = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.int64)
         seq = torch.cat(seq_idx) if seq_idx else torch.zeros(0, dtype=torch.int32)
-        width = max((len(t) for t in block_tables), default=0)
-        table = torch.zeros(len(block_tables), max(width, 1), dtype=torch.int32)
-        for b, t in enumerate(block_tables):
-            table[b, : len(t)] = torch.as_tensor(t, dtype=torch.int32)
+        table = host_block_table(block_tables, len(block_tables))
         slots = table[seq.long(), pos // ref.BLOCK_SIZE].long() * ref.BLOCK_SIZE + pos % ref.BLOCK_SIZE
         key_len = (pos + 1).int()
         return cls(pos.to(device), slots.to(device), seq.to(device), key_len.to(device), table.to(device), key_len)
