@@ -196,22 +196,34 @@ def test_cli_writes_a_checkpoint_that_loads_and_reproduces_the_reported_loss(tmp
 def test_cli_calibrates_on_the_held_out_split_of_a_data_dir(tmp_path):
     from megactx.train.corpus import Corpus
     from megactx.train.data import CORPUS_SNAPSHOT, prepare_data
+    from megactx.train.needles import NeedleDataset
 
     stdlib = Corpus.from_stdlib()
     small = stdlib.subset([f.path for f in stdlib.split("held_out")[:2]] + [f.path for f in stdlib.split("train")[:4]])
     small.save_snapshot(tmp_path / "data" / CORPUS_SNAPSHOT)
     data_vocab = 300  # a byte-level BPE needs at least its 256 byte tokens
+    seq_len = 256  # room for every needle task's haystack
     prepare_data(tmp_path / "data", vocab_size=data_vocab)
     save_pretrained(micro_model(vocab_size=data_vocab), tmp_path / "ckpt")
-    out = tmp_path / "searched"
-    rc = main(["indexshare-search", "--model", str(tmp_path / "ckpt"), "--out", str(out), "--num-full", "3",
-               "--data-dir", str(tmp_path / "data"), "--seq-len", str(SEQ_LEN), "--num-sequences", "2",
-               "--device", "cpu", "--no-progress"])
-    assert rc == 0
-    held_out = prepare_data(tmp_path / "data", vocab_size=data_vocab).pretraining_sequences(SEQ_LEN, "held_out")[:2]
-    report = json.loads((out / REPORT_JSON).read_text())
-    loaded = load_model(out, dtype=torch.float32)
-    assert calibration_loss(loaded, held_out) == pytest.approx(report["loss"], abs=SAME_COMPUTATION_ATOL)
+    data = prepare_data(tmp_path / "data", vocab_size=data_vocab)
+    held_out = data.pretraining_sequences(seq_len, "held_out")[:2]
+    tasks = NeedleDataset(data.needles("held_out"), seq_len, num_examples=2)
+    needles = [tasks[i] for i in range(2)]
+    for extra in (["--needles", "0"], []):  # code only; code and (by default as many) needle tasks
+        out = tmp_path / f"searched{len(extra)}"
+        rc = main(["indexshare-search", "--model", str(tmp_path / "ckpt"), "--out", str(out), "--num-full", "3",
+                   "--data-dir", str(tmp_path / "data"), "--seq-len", str(seq_len), "--num-sequences", "2",
+                   "--device", "cpu", "--no-progress", *extra])
+        assert rc == 0
+        report = json.loads((out / REPORT_JSON).read_text())
+        loaded = load_model(out, dtype=torch.float32)
+        want = calibration_loss(loaded, held_out)
+        if not extra:  # plus the answers' loss alone
+            assert report["calibration"]["needle_tasks"] == 2
+            answers = torch.stack([n["loss_mask"] for n in needles])
+            assert 0 < answers.sum() < 20
+            want += calibration_loss(loaded, torch.stack([n["input_ids"] for n in needles]), mask=answers)
+        assert want == pytest.approx(report["loss"], abs=SAME_COMPUTATION_ATOL)
 
 
 def test_cli_help_and_refusals(tmp_path, capsys):

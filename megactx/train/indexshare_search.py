@@ -3,7 +3,9 @@
 Starting from a checkpoint's pattern (`ModelConfig.indexer_types`), greedily flip full layers to
 shared: each round tries every remaining full layer except layer 0 (a shared layer reuses the
 top-k of the nearest full layer below it, and layer 0 has none below), measures the LM loss on a
-calibration set with that one layer flipped, and keeps the flip with the lowest loss. It stops at
+calibration set with that one layer flipped, and keeps the flip with the lowest loss. With a data
+directory the calibration holds held-out code and needle retrieval tasks, and the loss adds their
+answers' loss to the code's (`Calibration`), so that the layer that retrieves keeps its indexer. It stops at
 a target number of full layers (default: as many as GLM-5.2's 1-in-4 rule gives) or before a flip
 that would raise the loss more than a budget above the starting pattern's.
 
@@ -89,18 +91,55 @@ def random_calibration(vocab_size: int, num_sequences: int, seq_len: int, seed: 
     return torch.cat([first, first], dim=1)[:, : seq_len + 1]
 
 
+@dataclass
+class Calibration:
+    """What a pattern's loss is measured on: code [N, S + 1] int64 (every next token scored) and,
+    optionally, retrieval tasks needles [M, S + 1] whose answers alone are scored (answer_mask
+    [M, S] bool, True where the target needles[:, j + 1] is an answer token). The loss is the
+    code's mean next-token cross-entropy plus the answers': code alone barely notices a flip that
+    blinds the layer that retrieves (a few answer tokens in thousands), which costs retrieval all."""
+
+    code: torch.Tensor
+    needles: torch.Tensor | None = None
+    answer_mask: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        for name, rows in (("code", self.code), ("needles", self.needles)):
+            if rows is not None and (rows.dim() != 2 or rows.shape[1] < 2):
+                raise ValueError(f"calibration {name}: sequences must be [N, S + 1] token ids with S >= 1, "
+                                 f"got shape {tuple(rows.shape)}")
+        paired = (self.needles is None) == (self.answer_mask is None)
+        if not paired or (self.needles is not None and self.answer_mask.shape != (self.needles.shape[0],
+                                                                                  self.needles.shape[1] - 1)):
+            raise ValueError("needles [M, S + 1] need an answer_mask [M, S] (and only they do)")
+
+    @property
+    def seq_len(self) -> int:
+        return self.code.shape[1] - 1
+
+    def loss(self, model: Transformer, batch_size: int = 1) -> float:
+        code = calibration_loss(model, self.code, batch_size)
+        return code if self.needles is None else code + calibration_loss(model, self.needles, batch_size,
+                                                                         self.answer_mask)
+
+
 @torch.no_grad()
-def calibration_loss(model: Transformer, sequences: torch.Tensor, batch_size: int = 1) -> float:
+def calibration_loss(model: Transformer, sequences: torch.Tensor, batch_size: int = 1,
+                     mask: torch.Tensor | None = None) -> float:
     """Mean next-token cross-entropy (nats) of `model` over sequences [N, S + 1] int64 (row i's
-    inputs are its first S tokens, its labels the last S), in batches of `batch_size` rows."""
+    inputs are its first S tokens, its labels the last S; mask [N, S] bool: the labels scored,
+    None = all), in batches of `batch_size` rows."""
     device = model.lm_head.weight.device
     total, count = 0.0, 0
     for r0 in range(0, sequences.shape[0], batch_size):
         rows = sequences[r0 : r0 + batch_size].to(device)
+        labels = rows[:, 1:]
+        if mask is not None:
+            labels = labels.masked_fill(~mask[r0 : r0 + batch_size].to(device), -100)
         logits = model(rows[:, :-1])  # [B, S, vocab] fp32
-        total += F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten(), reduction="sum").item()
-        count += rows[:, 1:].numel()
-    return total / count
+        total += F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum").item()
+        count += int((labels != -100).sum())
+    return total / max(count, 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,15 +202,16 @@ def default_num_full(num_layers: int) -> int:
     return uniform_pattern(num_layers).count(FULL)
 
 
-def indexshare_search(model: Transformer, sequences: torch.Tensor, num_full: int | None = None,
+def indexshare_search(model: Transformer, sequences: torch.Tensor | Calibration, num_full: int | None = None,
                       loss_budget: float | None = None, batch_size: int = 1, progress: bool = True,
                       log: Callable[[str], object] = lambda s: None, compare: str | None = None) -> SearchResult:
     """Greedy training-free IndexShare search on `model` (its cfg is restored on return).
 
-    sequences: [N, S + 1] int64 calibration tokens; S should exceed cfg.index_topk, else every
-    pattern selects every key and all losses tie. num_full: stop at this many full layers (default
-    `default_num_full`). loss_budget: stop before a flip whose loss exceeds the starting loss by
-    more than this many nats a token (None: no budget). compare: the hand-made pattern whose loss
+    sequences: [N, S + 1] int64 calibration tokens, or a Calibration (code and retrieval tasks);
+    S should exceed cfg.index_topk, else every pattern selects every key and all losses tie.
+    num_full: stop at this many full layers (default `default_num_full`). loss_budget: stop
+    before a flip whose loss exceeds the starting loss by more than this many nats a token (None:
+    no budget). compare: the hand-made pattern whose loss
     the report shows beside the search's (default: GLM-5.2's uniform rule for this depth)."""
     cfg = model.cfg
     n = cfg.num_hidden_layers
@@ -181,15 +221,14 @@ def indexshare_search(model: Transformer, sequences: torch.Tensor, num_full: int
         raise ValueError(f"num_full must be in 1..{n} (layer 0 always stays full), got {num_full}")
     if loss_budget is not None and loss_budget < 0:
         raise ValueError(f"loss_budget must be >= 0 nats, got {loss_budget}")
-    if sequences.dim() != 2 or sequences.shape[1] < 2:
-        raise ValueError(f"sequences must be [N, S + 1] token ids with S >= 1, got shape {tuple(sequences.shape)}")
-    if sequences.shape[1] - 1 <= cfg.index_topk:
-        log(f"warning: calibration sequences of {sequences.shape[1] - 1} tokens are not longer than index_topk "
+    calibration = sequences if isinstance(sequences, Calibration) else Calibration(sequences)
+    if calibration.seq_len <= cfg.index_topk:
+        log(f"warning: calibration sequences of {calibration.seq_len} tokens are not longer than index_topk "
             f"({cfg.index_topk}): every pattern attends to every key, so the losses will tie")
 
     def loss_of(pattern: str) -> float:
         set_pattern(model, pattern)
-        return calibration_loss(model, sequences, batch_size)
+        return calibration.loss(model, batch_size)
 
     try:
         if compare is not None and (len(compare) != n or set(compare) - {FULL, SHARED} or compare[0] != FULL):
@@ -258,8 +297,10 @@ def write_report(result: SearchResult, out: str | Path, calibration: dict[str, A
     calibration = calibration or {}
     (out / REPORT_JSON).write_text(json.dumps({**result.to_json(), "calibration": calibration}, indent=2) + "\n")
     about = ", ".join(f"{k}: {v}" for k, v in calibration.items())
+    loss = ("mean next-token cross-entropy of the code plus that of the needle tasks' answers, nats a token"
+            if calibration.get("needle_tasks") else "mean next-token cross-entropy, nats a token")
     (out / REPORT_MD).write_text("# IndexShare search\n\n" + (f"Calibration: {about}.\n\n" if about else "")
-                                 + "Loss: mean next-token cross-entropy, nats a token.\n\n" + result.table())
+                                 + f"Loss: {loss}.\n\n" + result.table())
     return out / REPORT_JSON, out / REPORT_MD
 
 
@@ -287,6 +328,10 @@ def add_indexshare_search_parser(subparsers: Any) -> None:
                    help=f"calibration sequence length; must exceed index_topk (default {DEFAULT_SEQ_LEN})")
     p.add_argument("--num-sequences", type=int, default=DEFAULT_NUM_SEQUENCES,
                    help=f"calibration sequences (default {DEFAULT_NUM_SEQUENCES})")
+    p.add_argument("--needles", type=int, default=None,
+                   help="needle retrieval tasks (megactx.train.needles, all kinds, held-out haystacks) added to "
+                        "the calibration, their answer loss added to the code's (default: as many as "
+                        "--num-sequences with --data-dir, none with random tokens)")
     p.add_argument("--batch-size", type=int, default=1, help="sequences a forward (default 1)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
@@ -298,9 +343,11 @@ def add_indexshare_search_parser(subparsers: Any) -> None:
     p.set_defaults(func=run_indexshare_search)
 
 
-def _calibration(args: argparse.Namespace, vocab_size: int) -> torch.Tensor:
+def _calibration(args: argparse.Namespace, vocab_size: int) -> Calibration:
     if args.data_dir is None:
-        return random_calibration(vocab_size, args.num_sequences, args.seq_len, args.seed)
+        if args.needles:
+            raise ValueError("--needles needs --data-dir (the tasks' haystacks are held-out code)")
+        return Calibration(random_calibration(vocab_size, args.num_sequences, args.seq_len, args.seed))
     from megactx.train.data import prepare_data
 
     if not args.data_dir.is_dir():
@@ -312,13 +359,24 @@ def _calibration(args: argparse.Namespace, vocab_size: int) -> torch.Tensor:
     if sequences.shape[0] == 0:
         raise ValueError(f"the held-out split of {args.data_dir} has fewer than {args.seq_len + 1} tokens; "
                          "lower --seq-len")
-    return sequences[: args.num_sequences]
+    num_needles = args.num_sequences if args.needles is None else args.needles
+    if not num_needles:
+        return Calibration(sequences[: args.num_sequences])
+    from megactx.train.needles import NeedleDataset
+
+    tasks = NeedleDataset(data.needles("held_out"), args.seq_len, num_examples=num_needles, seed=args.seed)
+    rows = [tasks[i] for i in range(num_needles)]
+    return Calibration(sequences[: args.num_sequences], torch.stack([r["input_ids"] for r in rows]),
+                       torch.stack([r["loss_mask"] for r in rows]))
 
 
 def run_indexshare_search(args: argparse.Namespace) -> int:
     from megactx.model.weights import load_model
 
     prog = "megactx indexshare-search"
+    if args.needles is not None and args.needles < 0:
+        print(f"{prog}: error: --needles must be >= 0, got {args.needles}", file=sys.stderr)
+        return 2
     for name in ("seq_len", "num_sequences", "batch_size"):
         if getattr(args, name) < 1:
             print(f"{prog}: error: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}",
@@ -332,10 +390,12 @@ def run_indexshare_search(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.model} is a {cfg.model_type} checkpoint; IndexShare patterns live in "
                              "glm_moe_dsa configs only")
         model = load_model(args.model, device=device, dtype=dtype, backend=args.backend)
-        sequences = _calibration(args, cfg.vocab_size)
-        print(f"calibration: {sequences.shape[0]} sequences of {sequences.shape[1] - 1} tokens "
-              f"({'held-out corpus' if args.data_dir else 'random tokens'})", file=sys.stderr)
-        result = indexshare_search(model, sequences, args.num_full, args.loss_budget, args.batch_size,
+        calibration = _calibration(args, cfg.vocab_size)
+        num_needles = 0 if calibration.needles is None else calibration.needles.shape[0]
+        print(f"calibration: {calibration.code.shape[0]} sequences of {calibration.seq_len} tokens "
+              f"({'held-out corpus' if args.data_dir else 'random tokens'}), {num_needles} needle tasks",
+              file=sys.stderr)
+        result = indexshare_search(model, calibration, args.num_full, args.loss_budget, args.batch_size,
                                    progress=not args.no_progress, log=lambda s: tqdm.write(s, file=sys.stderr),
                                    compare=args.compare)
         write_checkpoint(model, result.pattern, args.out, args.model)
@@ -343,7 +403,8 @@ def run_indexshare_search(args: argparse.Namespace) -> int:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     write_report(result, args.out, {"source": f"{args.data_dir} (held-out split)" if args.data_dir else "random tokens",
-                                    "num_sequences": sequences.shape[0], "seq_len": sequences.shape[1] - 1,
+                                    "num_sequences": calibration.code.shape[0], "needle_tasks": num_needles,
+                                    "seq_len": calibration.seq_len,
                                     "backend": args.backend, "dtype": str(dtype).removeprefix("torch.")})
     print(result.table())
     print(f"pattern {result.pattern} ({result.pattern.count(FULL)} full layers) written to {args.out / 'config.json'}")
