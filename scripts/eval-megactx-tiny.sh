@@ -9,7 +9,8 @@
 #   1. held-out bits per byte at equal budget: IndexShare (sparse), DSA in every layer (sparse-dsa),
 #      dense (sparse-dense), and the shipped model after context extension and MTP training
 #   2. the training-free IndexShare search from the DSA checkpoint down to 2 full layers, against
-#      the uniform 1-in-4 pattern FSSSFSSS (megactx-tiny shares by FFSSSSSS, see megactx.train.recipe.tiny_recipe)
+#      the uniform 1-in-4 pattern FSSSFSSS, on held-out code and needle tasks (megactx-tiny shares by
+#      FSSSSSSF, see megactx.train.recipe.tiny_recipe)
 #   3. needle retrieval of the shipped model up to and past its trained length (NEEDLE_MODEL: another
 #      directory with the same backbone, e.g. a bf16 export of the extend stage, so that the needles
 #      may run while the MTP variants train; the MTP stages leave the backbone untouched)

@@ -7,10 +7,11 @@
 #
 # Order (each line a `megactx train` call; every stage resumes its own checkpoint, so re-running
 # the script continues an interrupted run):
-#   1. backbone: dense, warmup (indexers only)
-#   2. sparse (IndexShare), and beside it, as concurrent processes on the same GPU, the held-out
-#      loss ablations at equal budget: sparse with an indexer in every layer (--attention dsa)
-#      and with dense attention (--attention dense)
+#   1. backbone: dense
+#   2. warmup (the kept indexers only, on the attention of the layers each serves) and sparse
+#      (IndexShare), and beside them, as concurrent processes on the same GPU, the held-out loss
+#      ablations at equal budget: warmup and sparse with an indexer in every layer
+#      (--attention dsa), and sparse with dense attention (--attention dense)
 #   3. extend at CONTEXT tokens (default 65536; "auto" = the longest that fits CONTEXT_BUDGET minutes)
 #   4. MTP (mtp_warmup, mtp), three variants at once: CE without IndexShare/KVShare (the ladder's
 #      baseline), CE with, and the end-to-end TV loss with
@@ -36,15 +37,15 @@ stamp() { echo "[$(date +%H:%M:%S)] $*"; }
 stamp "data"
 "$PY" -m megactx.train.data "$OUT/data" --snapshot
 
-stamp "backbone: dense, warmup"
-train --stages dense,warmup 2>&1 | tee "$LOGS/backbone.log"
+stamp "backbone: dense"
+train --stages dense 2>&1 | tee "$LOGS/backbone.log"
 
-stamp "sparse (+ ablations: dsa, dense)"
-train --stages sparse --attention dsa > "$LOGS/sparse-dsa.log" 2>&1 &
+stamp "warmup, sparse (+ ablations: dsa, dense)"
+train --stages warmup,sparse --attention dsa > "$LOGS/sparse-dsa.log" 2>&1 &
 dsa=$!
 train --stages sparse --attention dense > "$LOGS/sparse-dense.log" 2>&1 &
 dense=$!
-train --stages sparse 2>&1 | tee "$LOGS/sparse.log"
+train --stages warmup,sparse 2>&1 | tee "$LOGS/sparse.log"
 
 stamp "extend at $CONTEXT"
 extend=(--context "$CONTEXT")

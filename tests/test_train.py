@@ -235,13 +235,17 @@ def _reference_attention(attn, x, cos, sin, positions, topk):
     return probs.gather(-1, topk.clamp(min=0)[:, None].expand(-1, H, -1, -1)) * (topk >= 0)[:, None]
 
 
-def test_sparse_stage_trains_each_full_indexer_on_the_mean_attention_of_the_layers_it_serves():
-    """IndexShare pattern FSFS: layer 0's indexer learns layers 0 and 1, layer 2's layers 2 and 3.
-    The training forward's KL equals the formula on the reference model's own attention."""
+@pytest.mark.parametrize("attention,seqlen", [("sparse", 40), ("dense", 16)])
+def test_each_full_indexer_learns_the_mean_attention_of_the_layers_it_serves(attention, seqlen):
+    """IndexShare pattern FSFS: layer 0's indexer learns layers 0 and 1, layer 2's layers 2 and 3,
+    over its selection (sparse: 40 tokens, top-k 16) or over every causal key (the dense warm-up;
+    16 tokens, so that the reference forward's top-k is every causal key too). The training
+    forward's KL equals the formula on the reference model's own attention."""
     model = tie_free_model(micro_config())
     cfg = model.cfg
     assert cfg.indexer_types == ["full", "shared", "full", "shared"]
-    ids = token_ids(2, 40)
+    assert (seqlen <= cfg.index_topk) == (attention == "dense")
+    ids = token_ids(2, seqlen)
     seen = {}
     hooks = [layer.self_attn.register_forward_hook(lambda m, args, out, i=i: seen.__setitem__(i, (args, out[1])))
              for i, layer in enumerate(model.model.layers)]
@@ -264,7 +268,7 @@ def test_sparse_stage_trains_each_full_indexer_on_the_mean_attention_of_the_laye
             index_at = scores.gather(-1, topk.clamp(min=0))
         expected.append(multi_layer_distillation_loss(probs, index_at, topk >= 0))
 
-    objective = Objective(model, LossConfig(lm=False, attention="sparse", indexers="backbone", chunk_bytes=8_000))
+    objective = Objective(model, LossConfig(lm=False, attention=attention, indexers="backbone", chunk_bytes=8_000))
     _, metrics = objective(ids)
     assert metrics["indexer_kl"].item() == pytest.approx(torch.stack(expected).mean().item(), rel=1e-4)
 
@@ -294,7 +298,7 @@ def _grads(model):
 
 def test_warmup_stage_trains_only_the_indexers():
     model, objective = stage_setup("warmup")
-    assert all(t == "full" for t in model.cfg.indexer_types)  # DSA in every layer before IndexShare
+    assert model.cfg.indexer_types == ["full", "shared", "full", "shared"]  # IndexShare from the warm-up on
     loss, metrics = objective(token_ids(2, 40))
     assert set(metrics) == {"indexer_kl", "loss"}
     loss.backward()
@@ -345,8 +349,8 @@ def test_mtp_stage_trains_only_the_mtp_layer_with_its_indexer():
 
 def test_indexshare_conversion_keeps_the_full_layers_indexers_and_drops_the_others():
     recipe = smoke_recipe()
-    every = build_model(stage_model_config(recipe, stage_index("warmup")), seed=0)
-    shared = adapt_model(every, stage_model_config(recipe, stage_index("sparse")))
+    every = build_model(stage_model_config(recipe, stage_index("dense")), seed=0)
+    shared = adapt_model(every, stage_model_config(recipe, stage_index("warmup")))
     assert [layer.self_attn.indexer is not None for layer in shared.model.layers] == [True, False, True, False]
     before = every.state_dict()
     for name, t in shared.state_dict().items():
@@ -400,10 +404,10 @@ def test_sparse_stage_training_memorises_a_repeated_batch(tmp_path):
 
 
 def small_trainer(out_dir, steps: int = 4, kind: str = "sparse", ctx=None, parallel: str = "auto",
-                  micro_batch: int = 2, save_every: int = 0) -> Trainer:
+                  micro_batch: int = 2, save_every: int = 0, data_workers: int | None = None) -> Trainer:
     _, objective = stage_setup(kind)
     cfg = TrainConfig(steps=steps, seq_len=40, global_batch=4, micro_batch=micro_batch, lr=3e-3, warmup_steps=1,
-                      parallel=parallel, save_every=save_every)
+                      parallel=parallel, save_every=save_every, data_workers=data_workers)
     # on the CPU even where there is a GPU: exact comparisons need its deterministic kernels
     return Trainer(objective, RandomTokens(VOCAB), cfg, out_dir, ctx=ctx or init_distributed("cpu"), progress=False)
 
@@ -414,10 +418,12 @@ def _trajectory(history):
 
 
 def test_resume_continues_the_uninterrupted_loss_trajectory(tmp_path):
-    whole = small_trainer(tmp_path / "whole").fit()
-    first = small_trainer(tmp_path / "split").fit(max_steps=2)
+    """Also with the batches built ahead by a DataLoader worker (the split run): the same batches."""
+    whole = small_trainer(tmp_path / "whole", data_workers=0).fit()
+    first = small_trainer(tmp_path / "split", data_workers=1).fit(max_steps=2)
     assert first.step == 2 and not first.finished
-    resumed = small_trainer(tmp_path / "split")  # a new process: fresh weights, replaced by the checkpoint
+    # a new process: fresh weights, replaced by the checkpoint
+    resumed = small_trainer(tmp_path / "split", data_workers=1)
     assert resumed.step == 2
     rest = resumed.fit()
     assert rest.finished
@@ -510,15 +516,21 @@ def test_code_source_feeds_packed_code_and_needle_tasks(tmp_path):
     assert row["needle"] == pytest.approx(float(objective(ids[0:1], mask[0:1])[1]["lm"]), rel=2e-3)  # train mode
     assert row["lm"] == pytest.approx(float(objective(ids[1:2], mask[1:2])[1]["lm"]), rel=2e-3)
 
-    # copy rows: every other code row is its first half twice, scored on the second occurrence
+    # copy rows: every other code row is its first 450 tokens, then 150 of them again from a start
+    # drawn per row (so the distance back varies), scored on the repeat
     mixed = CodeSource(data, seed=0, needle_fraction=0.5, copy_fraction=0.5)
-    batch = mixed.examples(0, 8, 600)
-    assert batch["needle_rows"].tolist() == [True, False] * 4
-    assert batch["copy_rows"].tolist() == [False, True, False, False] * 2
-    ids, mask = batch["input_ids"][1], batch["loss_mask"][1]
-    first_half = source.examples(1, 1, 600)["input_ids"][0, :300]  # code row 1 as a plain code row
-    assert torch.equal(ids[:300], ids[300:]) and torch.equal(ids[:300], first_half)
-    assert not mask[:300].any() and mask[300:].all()  # from the copy's second token on
+    batch = mixed.examples(0, 16, 600)
+    assert batch["needle_rows"].tolist() == [True, False] * 8
+    assert batch["copy_rows"].tolist() == [False, True, False, False] * 4
+    starts = set()
+    for r in (1, 5, 9, 13):
+        ids, mask = batch["input_ids"][r], batch["loss_mask"][r]
+        code = source.examples(r, 1, 600)["input_ids"][0]  # the same row as a plain code row
+        assert torch.equal(ids[:450], code[:450])
+        a = next(a for a in range(301) if torch.equal(ids[450:], ids[a : a + 150]))
+        starts.add(a)
+        assert not mask[:450].any() and mask[450:].all()  # from the repeat's second token on
+    assert len(starts) > 1
     objective = Objective(model, LossConfig(copy_weight=2.0))
     loss, metrics = objective(batch["input_ids"][:4, -64:], batch["loss_mask"][:4, -63:], batch["needle_rows"][:4],
                               batch["copy_rows"][:4])
@@ -557,8 +569,9 @@ def test_smoke_recipe_runs_every_stage_and_its_checkpoints_load(tmp_path, capsys
     assert final.cfg.index_share_for_mtp_iteration and len(final.mtp) == 1
     assert final.cfg.max_position_embeddings >= max(s.train.seq_len for s in recipe.stages)
     assert draft(final, token_ids(1, 20), 7).tokens.shape == (1, 7)
-    every = load_model(out / "warmup" / "checkpoint")
+    every = load_model(out / "dense" / "checkpoint")
     assert all(layer.self_attn.indexer is not None for layer in every.model.layers)
+    assert load_model(out / "warmup" / "checkpoint").cfg.indexer_types == final.cfg.indexer_types
 
     transformers = pytest.importorskip("transformers")
     theirs = transformers.GlmMoeDsaForCausalLM.from_pretrained(out / "mtp-ce-share" / "checkpoint",
@@ -572,9 +585,10 @@ def test_smoke_recipe_runs_every_stage_and_its_checkpoints_load(tmp_path, capsys
     assert main(["train", "--smoke", "--out", str(out), "--no-progress"]) == 0  # all finished: nothing reruns
     assert capsys.readouterr().out.count("skipped") == len(names)
 
-    # the held-out-loss ablations: the sparse stage with an indexer in every layer, and dense
+    # the held-out-loss ablations: warm-up and sparse stage with an indexer in every layer, and dense
+    # (which has no warm-up: it starts from `dense`)
     for variant in ("dsa", "dense"):
-        assert main(["train", "--smoke", "--out", str(out), "--no-progress", "--stages", "sparse",
+        assert main(["train", "--smoke", "--out", str(out), "--no-progress", "--stages", "warmup,sparse",
                      "--attention", variant]) == 0
         ablation = load_model(out / f"sparse-{variant}" / "checkpoint")
         assert ablation.cfg.indexer_types == ["full"] * 4

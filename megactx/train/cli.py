@@ -4,7 +4,7 @@
     megactx train --recipe tiny --out runs/tiny            # megactx-tiny on the stdlib corpus (GPU)
     megactx train --recipe tiny --out runs/tiny --stages sparse,extend --time-limit 25
     megactx train --recipe tiny --out runs/tiny --stages mtp_warmup,mtp --mtp-loss tv
-    megactx train --recipe tiny --out runs/tiny --stages sparse --attention dense   # an ablation
+    megactx train --recipe tiny --out runs/tiny --stages warmup,sparse --attention dsa   # an ablation
     torchrun --nproc-per-node 2 -m megactx train --recipe tiny --out runs/tiny   # data parallel
 
 Every stage resumes its own checkpoint and starts from the previous stage's, so a run cut by
@@ -44,9 +44,10 @@ def add_train_parser(subparsers: Any) -> None:
     p.add_argument("--context-budget", type=float, default=None,
                    help="with --context auto: minutes the extend stage may take")
     p.add_argument("--attention", choices=("indexshare", "dsa", "dense"), default=None,
-                   help="architecture from the sparse stage on: the recipe's IndexShare pattern (default), an "
+                   help="architecture from the warmup stage on: the recipe's IndexShare pattern (default), an "
                         "indexer in every layer (dsa), or dense attention; the last two are ablations whose "
-                        "stage directories carry the name (sparse-dsa, sparse-dense)")
+                        "stage directories carry the name (warmup-dsa, sparse-dsa, sparse-dense; the dense "
+                        "ablation has no warmup)")
     p.add_argument("--mtp-loss", choices=("ce", "tv", "ce+tv"), default=None, help="MTP objective (default: ce)")
     p.add_argument("--mtp-share", action=argparse.BooleanOptionalAction, default=None,
                    help="IndexShare + KVShare across MTP steps (default: on)")

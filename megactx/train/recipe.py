@@ -3,8 +3,8 @@
 | stage      | attention                        | trains                   | loss                                    |
 |------------|----------------------------------|--------------------------|-----------------------------------------|
 | dense      | dense, an indexer in every layer | backbone (not indexers)  | LM cross-entropy                        |
-| warmup     | dense                            | indexers only            | KL(attention summed over heads ‖ index) |
-| sparse     | top-k, IndexShare from here on   | backbone + kept indexers | LM + multi-layer distillation KL        |
+| warmup     | dense, IndexShare from here on   | kept indexers only       | KL(served layers' attention ‖ index)    |
+| sparse     | top-k                            | backbone + kept indexers | LM + multi-layer distillation KL        |
 | extend     | top-k, the longest context       | backbone + kept indexers | as sparse (+ needle tasks, code data)   |
 | mtp_warmup | backbone top-k, MTP dense        | MTP layer (+ indexer)    | MTP CE and/or TV (γ steps) + KL warm-up |
 | mtp        | top-k, IndexShare + KVShare      | MTP layer (+ indexer)    | MTP CE and/or TV + distillation KL      |
@@ -15,12 +15,17 @@ A stage may mix needle tasks into its code rows (`Stage.needle_fraction`, loss o
 recipe's pattern), "dsa" (an indexer in every layer) or "dense" (no sparsity: every layer full with
 index_topk = max_position_embeddings, so every causal key is selected, and the indexers frozen).
 The last two are the held-out-loss ablations at equal budget; their stage directories carry the
-variant (`sparse-dsa`, `sparse-dense`) and share the `dense` and `warmup` stages.
+variant (`warmup-dsa`, `sparse-dsa`, `sparse-dense`; the dense one has no warm-up) and share the
+`dense` stage.
 
-Stages 1–2 run the recipe's architecture with `indexer_types` all "full" (DSA in every layer);
-`sparse` converts it to the recipe's IndexShare pattern, keeping the indexers of the full layers
-(each warmed up on its own layer) and dropping the others; from then on each kept indexer learns
-the mean attention of the layers it serves. The MTP stages set `index_share_for_mtp_iteration` to
+`dense` runs the recipe's architecture with `indexer_types` all "full" (an untrained indexer in
+every layer); `warmup` converts it to the recipe's IndexShare pattern, keeping the indexers of the
+full layers and dropping the others, and from then on each kept indexer learns the mean attention
+of the layers it serves: over every causal key in `warmup`, over its selection from `sparse` on.
+The warm-up must see the whole group: an indexer warmed up on its own layer alone, then asked to
+serve six, selects keys the later layers never needed and the distillation over its own selection
+cannot find the ones they do (a run so trained started `sparse` 1.5 nats/token above DSA in every
+layer, and its retrieval never came back). The MTP stages set `index_share_for_mtp_iteration` to
 the recipe's `mtp_share`, so the checkpoint drafts at inference exactly as it was trained.
 
 Each stage lives in `<out>/<stage>/` (checkpoint, metrics.jsonl, loss.png; the MTP stages' names
@@ -123,14 +128,22 @@ class Recipe:
 
     def stage_name(self, index: int) -> str:
         kind = self.stages[index].kind.replace("_", "-")
-        variant = "" if self.attention == "indexshare" or not self.sparse_from(index) else f"-{self.attention}"
+        variant = "" if self.attention == "indexshare" or not self.converted(index) else f"-{self.attention}"
         if self.stages[index].kind in MTP_KINDS:
             return f"{kind}-{self.mtp_loss.replace('+', '')}-{'share' if self.mtp_share else 'noshare'}{variant}"
         return kind + variant
 
-    def sparse_from(self, index: int) -> bool:
-        """Whether stage `index` comes after the dense stages (where the attention variant applies)."""
-        return self.stages[index].kind not in ("dense", "warmup")
+    def runs(self, index: int) -> bool:
+        """Whether stage `index` exists in this variant: the dense ablation has no indexer to warm up."""
+        return not (self.attention == "dense" and self.stages[index].kind == "warmup")
+
+    def previous(self, index: int) -> int | None:
+        """The stage that stage `index` starts from: the last earlier stage that runs (None: none)."""
+        return next((i for i in range(index - 1, -1, -1) if self.runs(i)), None)
+
+    def converted(self, index: int) -> bool:
+        """Whether stage `index` runs the attention variant's architecture: every stage after `dense`."""
+        return self.stages[index].kind != "dense"
 
     def stage_index(self, name_or_kind: str) -> int:
         for i, stage in enumerate(self.stages):
@@ -151,17 +164,17 @@ class Recipe:
 # What each stage means for the model
 # ---------------------------------------------------------------------------------------------
 def stage_model_config(recipe: Recipe, index: int) -> ModelConfig:
-    """The architecture stage `index` trains: every layer full before `sparse`, the recipe's
-    IndexShare pattern from it on (or its attention variant's); max_position_embeddings raised to
+    """The architecture stage `index` trains: every layer full in `dense`, the recipe's IndexShare
+    pattern from `warmup` on (or its attention variant's); max_position_embeddings raised to
     the longest sequence trained so far; MTP sharing as the recipe says."""
     cfg = recipe.model
     kind = recipe.stages[index].kind
     longest = max(s.train.seq_len for s in recipe.stages[: index + 1])
     if longest > cfg.max_position_embeddings:
         cfg = cfg.replace(max_position_embeddings=longest)
-    if not recipe.sparse_from(index) or recipe.attention != "indexshare":
+    if not recipe.converted(index) or recipe.attention != "indexshare":
         cfg = cfg.replace(indexer_types=["full"] * cfg.num_hidden_layers, index_topk_pattern=None)
-    if recipe.sparse_from(index) and recipe.attention == "dense":
+    if recipe.converted(index) and recipe.attention == "dense":
         cfg = cfg.replace(index_topk=cfg.max_position_embeddings)  # every causal key: dense attention
     if kind in MTP_KINDS:
         cfg = cfg.replace(index_share_for_mtp_iteration=recipe.mtp_share)
@@ -239,11 +252,15 @@ class CodeSource:
     retrieval examples a row, the earlier tasks' needles acting as distractors for the later.
     needle_tasks: the STANDARD_TASKS names the tasks cycle through (None: all).
 
-    copy_fraction > 0: every round(1 / copy_fraction)-th code row is a copy row instead: the first
-    half of that code row, then the same tokens again, the loss on the second occurrence only
-    ("copy_rows"). Predicting text seen before is what retrieval needs (induction heads), and a
-    small model trained on ~40M code tokens does not learn it from code alone: an earlier megactx-tiny
-    run predicted a repeated 100-token code window no better than its first occurrence."""
+    copy_fraction > 0: every round(1 / copy_fraction)-th code row is a copy row instead: that code
+    row's first three quarters, then a quarter-row window of them again, from a start drawn per row,
+    the loss on the repeat only ("copy_rows"). Predicting text seen before is what retrieval needs
+    (induction heads), and a small model trained on ~40M code tokens does not learn it from code
+    alone: an earlier megactx-tiny run predicted a repeated 100-token code window no better than its
+    first occurrence. The distance back to the source varies (a quarter to three quarters of the
+    row) so that only finding the text by its content pays: with the source always half a row back,
+    a run learnt to attend at that fixed offset, and lost its copying whenever the row length
+    changed."""
 
     data: object  # megactx.train.data.TrainingData
     seed: int = 0
@@ -282,15 +299,17 @@ class CodeSource:
         masks = [m for t in tasks[:-1] for m in (t["loss_mask"], no_target)] + [tasks[-1]["loss_mask"]]
         return {"input_ids": torch.cat([t["input_ids"] for t in tasks]), "loss_mask": torch.cat(masks)}
 
-    @staticmethod
-    def _copy(row: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A code row's first half, then the same tokens again; targets: the second occurrence (but
-        its first token, which nothing announces)."""
+    def _copy(self, row: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
+        """Copy row n from code row `row`: its first L − w tokens, then w = L // 4 of them again
+        from start a ~ U[0, L − 2w] (seeded by n); targets: the repeat but its first token, which
+        nothing announces."""
         ids = row["input_ids"]  # [L]
-        half = (len(ids) + 1) // 2
-        mask = torch.zeros(len(ids) - 1, dtype=torch.bool)
-        mask[half:] = True  # target j + 1 = half + 1 .. L - 1: the copy's second token on
-        return {"input_ids": torch.cat([ids[:half], ids[: len(ids) - half]]), "loss_mask": mask}
+        L = len(ids)
+        w = L // 4
+        a = int(torch.randint(0, L - 2 * w + 1, (), generator=torch.Generator().manual_seed(self.seed * 1_000_003 + n)))
+        mask = torch.zeros(L - 1, dtype=torch.bool)
+        mask[L - w :] = True  # target j + 1 = L − w + 1 .. L − 1: the repeat's second token on
+        return {"input_ids": torch.cat([ids[: L - w], ids[a : a + w]]), "loss_mask": mask}
 
     def examples(self, start: int, count: int, seq_len: int) -> dict[str, torch.Tensor]:
         every = round(1 / self.needle_fraction) if self.needle_fraction else 0
@@ -305,7 +324,7 @@ class CodeSource:
                 rows.append(self._needle(n // every, seq_len))
             else:
                 row = self._epoch(seq_len, n // per_epoch)[n % per_epoch]
-                rows.append(self._copy(row) if copy[-1] else row)
+                rows.append(self._copy(row, n) if copy[-1] else row)
         batch = {"input_ids": torch.stack([r["input_ids"] for r in rows]),
                  "loss_mask": torch.stack([r["loss_mask"] for r in rows])}
         if every:
@@ -355,14 +374,15 @@ def stage_model(recipe: Recipe, index: int, out_dir: Path) -> Transformer:
     """The model stage `index` starts from: fresh (seeded) for the first stage, else the previous
     stage's finished checkpoint adapted to this stage's architecture."""
     cfg = stage_model_config(recipe, index)
-    if index == 0:
+    prev = recipe.previous(index)
+    if prev is None:
         return build_model(cfg, seed=recipe.seed)
-    prev_dir = out_dir / recipe.stage_name(index - 1)
-    prev_steps = recipe.stages[index - 1].train.steps
+    prev_dir = out_dir / recipe.stage_name(prev)
+    prev_steps = recipe.stages[prev].train.steps
     if stage_progress(prev_dir) < prev_steps:
         raise ValueError(f"stage {recipe.stage_name(index)} starts from {prev_dir / CHECKPOINT}, which is not "
                          f"finished ({stage_progress(prev_dir)} of {prev_steps} steps); run "
-                         f"{recipe.stage_name(index - 1)} first")
+                         f"{recipe.stage_name(prev)} first")
     return adapt_model(load_model(prev_dir / CHECKPOINT, dtype=torch.float32), cfg)
 
 
@@ -396,6 +416,9 @@ def run_recipe(recipe: Recipe, out_dir: str | Path, stages: list[str] | None = N
     start, results = time.perf_counter(), []
     for index in chosen:
         name, steps = recipe.stage_name(index), recipe.stages[index].train.steps
+        if not recipe.runs(index):
+            log(f"{name}: not part of the {recipe.attention} variant, skipped")
+            continue
         if stage_progress(out_dir / name) >= steps:
             log(f"{name}: finished ({steps} steps), skipped")
             continue
@@ -549,15 +572,19 @@ def smoke_recipe() -> Recipe:
 
 def tiny_recipe() -> Recipe:
     """megactx-tiny (the `tiny` preset with top-k 128 and IndexShare 1/4: two full layers of eight,
-    the pattern FFSSSSSS; ~10M parameters) on the stdlib code corpus (~2.6M train tokens), for one
-    H200 (about 15 GPU-minutes for the stages in a row).
+    the pattern FSSSSSSF; ~10M parameters) on the stdlib code corpus (~2.6M train tokens), for one
+    H200 (about 25 GPU-minutes for the stages and their ablations).
 
-    The pattern: like GLM-5.2, whose first layers keep their own indexers (index_skip_topk_offset)
-    before the groups of four, layer 0 keeps its indexer and layer 1's serves the rest. The uniform
-    FSSSFSSS shares layer 0's top-k with layers 1-3; `megactx indexshare-search` from the
-    every-layer-DSA ablation of an earlier run found FFSSSSSS within 0.01 nats/token of all eight
-    indexers and FSSSFSSS 0.90 nats/token behind it, and with FSSSFSSS the sparse stage ended 3.3%
-    above every-layer DSA in held-out bits per byte.
+    The pattern: the first and the last layer keep their indexers; layer 0's serves layers 1-6.
+    The last layer is the one that retrieves: in a model that had learnt the needles with an
+    indexer in every layer (1024 tokens, top-k 128), handing layer 7 the top-k of layer 6 took the
+    needle answer loss from 1.11 to 4.74 nats/token, while sharing any other one layer cost at
+    most 0.26, and every pattern with layer 7 shared (FFSSSSSS, GLM-5.2's uniform rule FFFSSSFS)
+    stayed at 4-6 after the warm-up. A run that shared by FFSSSSSS (chosen by code loss alone)
+    ended its sparse stage 0.6% above every-layer DSA in bits per byte but answered no needle at
+    any length. After 60 CPU steps of `sparse` (4 × 1024 tokens) from the same dense model,
+    FSSSSSSF answered held-out needles at least as well as every-layer DSA (answer loss 0.67 vs 0.92
+    nats/token), its code loss 0.24 nats/token higher at that small budget.
 
     Needle tasks are half the rows of the backbone stages, packed several to a row (512 tokens
     each in `dense` and `warmup`, 1024 in `sparse`, one 64K task a row in `extend`, whose steps
@@ -565,13 +592,11 @@ def tiny_recipe() -> Recipe:
     (LossConfig.needle_weight), so that retrieval is learnt at short lengths, its attention
     distilled into the indexers, and then extended. The dense stages ask one value (single,
     multikey, distractors); multi-query and multi-hop tasks join from `sparse` on. Half the code
-    rows are copy rows (a window, then the same window again: CodeSource), the dense signal that
-    teaches the model to find and continue earlier text, which the needles then use; the earlier
-    run without them never learnt to (its needle loss stayed at chance). On a CPU, a dense stage
-    like this one at 16 × 256 tokens a step (needle tasks of 128 tokens) took ~150 steps to start
-    copying; its needle loss stayed near chance until copying was good (step 1200: copy 0.7 nats
-    a token, code 3.9), then fell from 1.5 to 0.34 between steps 1500 and 1900: at step 2000 it
-    answered 23 of 32 single needles right, 5 of 32 with 3 distractors.
+    rows are copy rows (a window of code seen earlier in the row: CodeSource), the dense signal
+    that teaches the model to find and continue earlier text; the run without them never learnt
+    retrieval (its needle loss stayed at chance). With them (then at a fixed distance), the H200
+    dense stage copied from step ~500 and learnt the needles between steps 1650 and 1860 (needle
+    loss 1.97 -> 0.26 nats/token).
 
     Tokens: dense 2000 × 16 × 2048 ≈ 66M (a quarter code rows, a quarter copy rows: ~6 passes over
     the corpus; ~64K needle tasks),
@@ -579,7 +604,7 @@ def tiny_recipe() -> Recipe:
     150 × 8 × 4096 ≈ 8M (the backbone frozen; the pipeline trains three MTP variants at once).
     max_position_embeddings is 1M so that the needle evaluation may run past the trained length.
     Scale the steps with `megactx train --steps-scale`."""
-    model = ModelConfig.from_pretrained("tiny").replace(index_topk=128, index_topk_pattern="FFSSSSSS",
+    model = ModelConfig.from_pretrained("tiny").replace(index_topk=128, index_topk_pattern="FSSSSSSF",
                                                         max_position_embeddings=1 << 20)
 
     def train(steps: int, seq_len: int, batch: int, micro: int, lr: float, warmup: int) -> TrainConfig:

@@ -187,8 +187,8 @@ def write_report(run: Path, out: Path) -> Path:
         md.append(f"| {r['stage']} | {r['steps']} | {fmt(r['tokens_per_step'], '{:,}')} | "
                   f"{fmt(r['tokens_per_s'], '{:,.0f}')} | {fmt(r['wall_s'] and r['wall_s'] / 60, '{:.1f}')} | "
                   + " | ".join(fmt(r[k], "{:.2f}" if k == "mtp_accept" else "{:.3f}") for k in TERMS) + " |")
-    md += ["", "Losses: mean of each stage's last 10% of steps (nats a token); copy: the second occurrence of "
-           "a repeated code window; needle: the answer tokens (chance: about ln 10 a digit).", ""]
+    md += ["", "Losses: mean of each stage's last 10% of steps (nats a token); copy: a code window repeated "
+           "later in its row; needle: the answer tokens (chance: about ln 10 a digit).", ""]
     curves = [figure(run / r["stage"] / "loss.png", f"loss-{r['stage']}.png") for r in rows]
     md += [c for c in curves if c] + [""]
 

@@ -16,7 +16,8 @@ next batch, same optimizer moments, so the loss trajectory continues as if never
 Data: any `TokenSource`, a deterministic indexed stream of token sequences. Step s reads
 sequences [s·G, (s+1)·G) for a global batch of G; rank r's micro-batch m of them is fixed by
 (s, m, r), so the data position is just the step, and W ranks see exactly the batch one process
-would.
+would. With `TrainConfig.data_workers`, a DataLoader worker process builds the next micro-batches
+(in pinned memory on CUDA) while the GPU runs the current one: the same batches, ahead of time.
 """
 
 from __future__ import annotations
@@ -95,7 +96,9 @@ class TrainConfig:
     warmup_steps of linear warm-up, then cosine down to lr × min_lr_ratio at `steps`.
     precision: "bf16" (autocast), "fp32", or "auto" (bf16 on CUDA, fp32 on the CPU).
     save_every: optimizer steps between checkpoints (0: at the end only). parallel: "auto" (FSDP2,
-    else DDP), "fsdp" or "ddp". expert_bias_speed: step of the routers' bias update (0: off)."""
+    else DDP), "fsdp" or "ddp". expert_bias_speed: step of the routers' bias update (0: off).
+    data_workers: processes that build micro-batches ahead of the step (None: 1 on CUDA, where the
+    host's batch building would otherwise leave the GPU idle, 0 on the CPU)."""
 
     steps: int
     seq_len: int
@@ -111,6 +114,7 @@ class TrainConfig:
     save_every: int = 0
     parallel: str = "auto"
     expert_bias_speed: float = 1e-3
+    data_workers: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("steps", "seq_len", "global_batch", "micro_batch"):
@@ -118,6 +122,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ValueError(f"precision must be 'auto', 'bf16' or 'fp32', got {self.precision!r}")
+        if self.data_workers is not None and (not isinstance(self.data_workers, int) or self.data_workers < 0):
+            raise ValueError(f"data_workers must be None or an integer >= 0, got {self.data_workers!r}")
         if self.parallel not in ("auto", "fsdp", "ddp"):
             raise ValueError(f"parallel must be 'auto', 'fsdp' or 'ddp', got {self.parallel!r}")
         self.betas = tuple(self.betas)
@@ -241,6 +247,25 @@ class ExpertBalancer:
         self.hooks = []
 
 
+class _MicroBatches(torch.utils.data.IterableDataset):
+    """Rank `rank`'s micro-batches of optimizer steps first .. end - 1, in training order (see the
+    module docstring: micro-batch m of step s is fixed by (s, m, rank))."""
+
+    def __init__(self, source: TokenSource, cfg: TrainConfig, world: int, rank: int, first: int, end: int):
+        self.source, self.cfg, self.world, self.rank, self.first, self.end = source, cfg, world, rank, first, end
+
+    def get(self, step: int, micro: int) -> dict[str, torch.Tensor]:
+        cfg = self.cfg
+        start = step * cfg.global_batch + (micro * self.world + self.rank) * cfg.micro_batch
+        return self.source.examples(start, cfg.micro_batch, cfg.seq_len)
+
+    def __iter__(self):
+        accum = self.cfg.global_batch // (self.cfg.micro_batch * self.world)
+        for step in range(self.first, self.end):
+            for micro in range(accum):
+                yield self.get(step, micro)
+
+
 # ---------------------------------------------------------------------------------------------
 # The trainer
 # ---------------------------------------------------------------------------------------------
@@ -308,8 +333,9 @@ class Trainer:
             (self.out_dir / CONFIG_FILE).write_text(json.dumps(asdict(self.cfg), indent=1) + "\n")
         bar = tqdm(total=self.cfg.steps, initial=self.step, desc=self.label, unit="step", dynamic_ncols=True,
                    disable=not (self.progress and self.ctx.is_main))
+        batches = self._batches(end)
         while self.step < end:
-            row = self.train_step()
+            row = self.train_step(batches)
             bar.update(1)
             bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
             if self.cfg.save_every and self.step % self.cfg.save_every == 0 and self.step < end:
@@ -318,26 +344,38 @@ class Trainer:
             if time_limit_s is not None and agree(time.perf_counter() - start_time > time_limit_s):
                 break
         bar.close()
+        del batches  # stops the data workers
         if self.step != saved_at or not (self.out_dir / CHECKPOINT / STATE_FILE).exists():
             self.save()
         return FitResult(self.step, self.step >= self.cfg.steps, self.out_dir / CHECKPOINT, self.history)
 
-    def micro_batch(self, step: int, micro: int) -> dict[str, torch.Tensor]:
-        """This rank's examples for micro-step `micro` of optimizer step `step` (TokenSource.examples
-        of micro_batch sequences)."""
-        cfg = self.cfg
-        start = step * cfg.global_batch + (micro * self.ctx.world + self.ctx.rank) * cfg.micro_batch
-        return self.source.examples(start, cfg.micro_batch, cfg.seq_len)
+    def _batches(self, end: int):
+        """The micro-batches of steps self.step .. end - 1 in order: built here one at a time, or
+        ahead by cfg.data_workers DataLoader processes."""
+        batches = _MicroBatches(self.source, self.cfg, self.ctx.world, self.ctx.rank, self.step, end)
+        workers = self.cfg.data_workers
+        if workers is None:
+            workers = 1 if self.ctx.device.type == "cuda" else 0
+        if not workers:
+            return iter(batches)
+        loader = torch.utils.data.DataLoader(batches, batch_size=None, num_workers=workers,
+                                             pin_memory=self.ctx.device.type == "cuda",
+                                             prefetch_factor=2 * self.accum, persistent_workers=False)
+        return iter(loader)
 
-    def train_step(self) -> dict:
-        """One optimizer step over the global batch; returns its metrics row (also appended to
-        history): rank-averaged metrics, lr, grad_norm, tokens_per_s."""
+    def train_step(self, batches=None) -> dict:
+        """One optimizer step over the global batch, from `batches` (an iterator of this step's
+        micro-batches and those after, see _batches; None: built here); returns its metrics row
+        (also appended to history): rank-averaged metrics, lr, grad_norm, tokens_per_s."""
         t0 = time.perf_counter()
         self.module.train()
         sums: dict[str, torch.Tensor] = {}
         counts: dict[str, torch.Tensor] = {}  # micro-batches that had each metric (NaN: a term without rows)
+        if batches is None:
+            batches = iter(_MicroBatches(self.source, self.cfg, self.ctx.world, self.ctx.rank, self.step,
+                                         self.step + 1))
         for micro in range(self.accum):
-            batch = {k: v.to(self.ctx.device, non_blocking=True) for k, v in self.micro_batch(self.step, micro).items()}
+            batch = {k: v.to(self.ctx.device, non_blocking=True) for k, v in next(batches).items()}
             with self._grad_sync(micro == self.accum - 1), self.autocast():
                 loss, metrics = self.module(**batch)
             (loss / self.accum).backward()
