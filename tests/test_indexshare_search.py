@@ -178,8 +178,11 @@ def test_cli_writes_a_checkpoint_that_loads_and_reproduces_the_reported_loss(tmp
                "--no-progress"])
     assert rc == 0
     report = json.loads((out / REPORT_JSON).read_text())
-    assert "| uniform |" in (out / REPORT_MD).read_text()
+    md = (out / REPORT_MD).read_text()
+    assert "| uniform |" in md
     assert report["pattern"].count(FULL) == 2 and len(report["rounds"]) == 2
+    for layer, loss in report["rounds"][0]["candidates"].items():  # each layer shared alone
+        assert f"| {layer} | {loss:.4f} | {loss - report['start_loss']:+.4f} |" in md
     assert report["calibration"]["num_sequences"] == NUM_SEQUENCES and report["calibration"]["seq_len"] == SEQ_LEN
     assert report["pattern"] in capsys.readouterr().out
 

@@ -182,7 +182,9 @@ class SearchResult:
         return d
 
     def table(self) -> str:
-        """Markdown: one row a round (start, each flip), then the uniform pattern."""
+        """Markdown: one row a round (start, each flip), then the uniform pattern; then what the
+        first round measured: the cost of sharing each layer alone (the layers the model cannot
+        spare show here, whatever the greedy order)."""
         lines = ["| round | flipped | full layers | loss | Δ vs start | pattern |", "|---|---|---|---|---|---|"]
 
         def row(name: str, layer: str, pattern: str, loss: float | None) -> str:
@@ -194,7 +196,13 @@ class SearchResult:
         for k, r in enumerate(self.rounds, 1):
             lines.append(row(str(k), str(r.flipped), r.pattern, r.loss))
         lines.append(row("uniform", "-", self.uniform_pattern, self.uniform_loss))
-        return "\n".join(lines) + f"\n\nstopped: {self.stop_reason}\n"
+        lines.append(f"\nstopped: {self.stop_reason}\n")
+        if self.rounds:
+            first = self.rounds[0].candidates
+            lines += ["Round 1, each layer shared alone (with the nearest full layer below it):", "",
+                      "| layer | loss | Δ vs start |", "|---|---|---|"]
+            lines += [f"| {i} | {loss:.4f} | {loss - self.start_loss:+.4f} |" for i, loss in sorted(first.items())]
+        return "\n".join(lines) + "\n"
 
 
 def default_num_full(num_layers: int) -> int:
