@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from megactx.config import ModelConfig
 from megactx.model.transformer import Transformer
+from megactx.train.losses import IGNORE
 
 # GLM-5.2's uniform IndexShare rule: full <=> max(i - offset + 1, 0) % freq == 0 (21 of 78 layers).
 UNIFORM_FREQ = 4
@@ -135,10 +136,10 @@ def calibration_loss(model: Transformer, sequences: torch.Tensor, batch_size: in
         rows = sequences[r0 : r0 + batch_size].to(device)
         labels = rows[:, 1:]
         if mask is not None:
-            labels = labels.masked_fill(~mask[r0 : r0 + batch_size].to(device), -100)
+            labels = labels.masked_fill(~mask[r0 : r0 + batch_size].to(device), IGNORE)
         logits = model(rows[:, :-1])  # [B, S, vocab] fp32
-        total += F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum").item()
-        count += int((labels != -100).sum())
+        total += F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum").item()
+        count += int((labels != IGNORE).sum())
     return total / max(count, 1)
 
 

@@ -353,15 +353,12 @@ class Trainer:
         """The micro-batches of steps self.step .. end - 1 in order: built here one at a time, or
         ahead by cfg.data_workers DataLoader processes."""
         batches = _MicroBatches(self.source, self.cfg, self.ctx.world, self.ctx.rank, self.step, end)
-        workers = self.cfg.data_workers
-        if workers is None:
-            workers = 1 if self.ctx.device.type == "cuda" else 0
+        cuda = self.ctx.device.type == "cuda"
+        workers = (1 if cuda else 0) if self.cfg.data_workers is None else self.cfg.data_workers
         if not workers:
             return iter(batches)
-        loader = torch.utils.data.DataLoader(batches, batch_size=None, num_workers=workers,
-                                             pin_memory=self.ctx.device.type == "cuda",
-                                             prefetch_factor=2 * self.accum, persistent_workers=False)
-        return iter(loader)
+        return iter(torch.utils.data.DataLoader(batches, batch_size=None, num_workers=workers, pin_memory=cuda,
+                                                prefetch_factor=2 * self.accum))
 
     def train_step(self, batches=None) -> dict:
         """One optimizer step over the global batch, from `batches` (an iterator of this step's
@@ -371,7 +368,7 @@ class Trainer:
         self.module.train()
         sums: dict[str, torch.Tensor] = {}
         counts: dict[str, torch.Tensor] = {}  # micro-batches that had each metric (NaN: a term without rows)
-        if batches is None:
+        if batches is None:  # this step's micro-batches, built here
             batches = iter(_MicroBatches(self.source, self.cfg, self.ctx.world, self.ctx.rank, self.step,
                                          self.step + 1))
         for micro in range(self.accum):
