@@ -7,7 +7,7 @@ import torch
 from megactx import ModelConfig
 from megactx.model import build_model, draft
 from megactx.model.attention import LayerCache, select_topk
-from megactx.model.moe import Router
+from megactx.model.moe import Experts, Router
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +72,28 @@ def test_router_selects_on_biased_scores_and_weights_on_raw_scores():
     expected = raw / raw.sum() * 2.0
     got = dict(zip(experts[0].tolist(), weights[0].tolist()))
     assert got[0] == pytest.approx(expected[0].item()) and got[2] == pytest.approx(expected[1].item())
+
+
+def test_every_expert_on_every_token_equals_the_routed_loop():
+    """The sync-free MoE form (CUDA for few experts, and under graph capture): each expert on every
+    token at zero weight where unrouted gives the routed loop's output and gradients."""
+    cfg = ModelConfig.from_pretrained("tiny")
+    experts, router = Experts(cfg), Router(cfg)
+    torch.nn.init.normal_(experts.gate_up_proj, std=0.05)
+    torch.nn.init.normal_(experts.down_proj, std=0.05)
+    torch.nn.init.normal_(router.weight, std=0.05)
+    assert experts.dense_on_cuda  # 8 experts of top-2: megactx-tiny takes this form on CUDA
+    assert not Experts(cfg.replace(n_routed_experts=256, num_experts_per_tok=8)).dense_on_cuda
+    x = torch.randn(64, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    results = []
+    for forward in (Experts.forward, Experts._forward_dense):
+        experts.zero_grad()
+        weights, ids = router(x)
+        out = forward(experts, x, weights, ids)
+        out.square().sum().backward()
+        results.append((out.detach(), experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone()))
+    for routed, dense in zip(*results):
+        torch.testing.assert_close(dense, routed, rtol=1e-4, atol=1e-4 * routed.abs().max().item())  # summation order
 
 
 def test_group_limited_routing_never_leaves_the_chosen_groups():

@@ -396,23 +396,29 @@ class TrainingAttention:
 # ---------------------------------------------------------------------------------------------
 # The objectives
 # ---------------------------------------------------------------------------------------------
-def lm_loss(model: Transformer, hidden: torch.Tensor, labels: torch.Tensor,
-            chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> torch.Tensor:
-    """Mean next-token cross-entropy. hidden: [B, S, D] final-normed, labels: [B, S] (IGNORE =
-    none). The head runs over row chunks recomputed in the backward: [S, vocab] logits are never kept."""
+def token_losses(model: Transformer, hidden: torch.Tensor, labels: torch.Tensor,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> torch.Tensor:
+    """[B, S] fp32 next-token cross-entropy of each position (0 where labels is IGNORE).
+    hidden: [B, S, D] final-normed, labels: [B, S]. The head runs over row chunks recomputed in
+    the backward: [S, vocab] logits are never kept."""
     B, S, _ = hidden.shape
     rows = _rows_per_chunk(S, B * model.cfg.vocab_size * 4 * 3, chunk_bytes)
 
-    def chunk_sum(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = model.compute_logits(h)
-        return F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE, reduction="sum")
+    def chunk(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = model.compute_logits(h)  # [B, Q, V]
+        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE,
+                               reduction="none").view(y.shape)
 
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for r0 in range(0, S, rows):
-        h, y = hidden[:, r0 : r0 + rows], labels[:, r0 : r0 + rows]
-        total = total + (checkpoint(chunk_sum, h, y, use_reentrant=False) if torch.is_grad_enabled()
-                         else chunk_sum(h, y))
-    return total / (labels != IGNORE).sum().clamp(min=1)
+    grad = torch.is_grad_enabled()
+    return torch.cat([checkpoint(chunk, hidden[:, r0 : r0 + rows], labels[:, r0 : r0 + rows], use_reentrant=False)
+                      if grad else chunk(hidden[:, r0 : r0 + rows], labels[:, r0 : r0 + rows])
+                      for r0 in range(0, S, rows)], dim=1)
+
+
+def lm_loss(model: Transformer, hidden: torch.Tensor, labels: torch.Tensor,
+            chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> torch.Tensor:
+    """Mean next-token cross-entropy over the targets that are not IGNORE (see token_losses)."""
+    return token_losses(model, hidden, labels, chunk_bytes).sum() / (labels != IGNORE).sum().clamp(min=1)
 
 
 def mtp_hidden(model: Transformer, input_ids: torch.Tensor, hidden: torch.Tensor, steps: int,
@@ -523,7 +529,7 @@ class Objective(nn.Module):
         backbone_graph = cfg.lm or cfg.indexers == "backbone"
         terms: dict[str, torch.Tensor] = {}
         metrics: dict[str, torch.Tensor] = {}
-        absent: dict[str, torch.Tensor] = {}  # terms without rows in this batch: NaN in the metrics
+        by_kind: dict[str, torch.Tensor] = {}  # per-kind metrics: NaN for a kind without rows in this batch
         with self.attention.installed(model):
             with torch.set_grad_enabled(backbone_graph and torch.is_grad_enabled()):
                 hidden = model.hidden_states(input_ids)  # [B, S, D]
@@ -536,11 +542,12 @@ class Objective(nn.Module):
                     terms["lm"] = lm_loss(model, hidden, labels, cfg.chunk_bytes)
                 else:  # every term always (0 for no rows, reported as NaN), so every rank has the same metrics
                     kinds = {"lm": ~torch.stack(list(kinds.values())).any(0)} | kinds
-                    for name, rows in kinds.items():
-                        if rows.any():
-                            terms[name] = lm_loss(model, hidden[rows], labels[rows], cfg.chunk_bytes)
-                        else:
-                            terms[name], absent[name] = hidden.sum() * 0.0, torch.tensor(float("nan"))
+                    nll = token_losses(model, hidden, labels, cfg.chunk_bytes)  # [B, S]
+                    counted = labels != IGNORE  # [B, S]
+                    for name, rows in kinds.items():  # masks, not row indexing: no host sync
+                        n = (counted & rows[:, None]).sum()
+                        terms[name] = (nll * rows[:, None]).sum() / n.clamp(min=1)
+                        by_kind[name] = torch.where(n > 0, terms[name].detach().float(), float("nan"))
             if cfg.mtp_steps:
                 terms.update(self._mtp_terms(input_ids, hidden.detach(), metrics))
             losses = self.attention.finish()
@@ -548,7 +555,7 @@ class Objective(nn.Module):
             terms["indexer_kl"] = torch.stack(losses).mean()
         weights = {"indexer_kl": cfg.indexer_weight, "needle": cfg.needle_weight, "copy": cfg.copy_weight}
         loss = sum(weights.get(name, 1.0) * t for name, t in terms.items())
-        metrics.update({name: t.detach().float() for name, t in terms.items()} | absent)
+        metrics.update({name: t.detach().float() for name, t in terms.items()} | by_kind)
         metrics["loss"] = loss.detach().float()
         return loss, metrics
 

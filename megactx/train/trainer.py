@@ -221,8 +221,9 @@ class ExpertBalancer:
 
     def _count(self, router: Router, args, output) -> None:
         _, ids = output  # [N, top_k]
-        self.loads[id(router)] = self.loads[id(router)].to(ids.device) + torch.bincount(
-            ids.flatten(), minlength=router.n_experts).float()
+        load = self.loads[id(router)].to(ids.device)
+        flat = ids.flatten()  # scatter_add, not bincount: bincount on CUDA syncs with the host (for its max)
+        self.loads[id(router)] = load.scatter_add(0, flat, torch.ones_like(flat, dtype=load.dtype))
 
     @torch.no_grad()
     def update(self) -> None:
