@@ -516,15 +516,22 @@ def test_code_source_feeds_packed_code_and_needle_tasks(tmp_path):
     assert row["needle"] == pytest.approx(float(objective(ids[0:1], mask[0:1])[1]["lm"]), rel=2e-3)  # train mode
     assert row["lm"] == pytest.approx(float(objective(ids[1:2], mask[1:2])[1]["lm"]), rel=2e-3)
 
-    # copy rows: every other code row is its first half twice, scored on the second occurrence
+    # copy rows: every other code row ends with a window of its own text repeated (w = 150 of
+    # 600 tokens), from a start drawn per row, scored on the repeat
     mixed = CodeSource(data, seed=0, needle_fraction=0.5, copy_fraction=0.5)
-    batch = mixed.examples(0, 8, 600)
-    assert batch["needle_rows"].tolist() == [True, False] * 4
-    assert batch["copy_rows"].tolist() == [False, True, False, False] * 2
-    ids, mask = batch["input_ids"][1], batch["loss_mask"][1]
-    first_half = source.examples(1, 1, 600)["input_ids"][0, :300]  # code row 1 as a plain code row
-    assert torch.equal(ids[:300], ids[300:]) and torch.equal(ids[:300], first_half)
-    assert not mask[:300].any() and mask[300:].all()  # from the copy's second token on
+    batch = mixed.examples(0, 16, 600)
+    assert batch["needle_rows"].tolist() == [True, False] * 8
+    assert batch["copy_rows"].tolist() == [False, True, False, False] * 4
+    starts = set()
+    for n in (1, 5, 9, 13):
+        ids, mask = batch["input_ids"][n], batch["loss_mask"][n]
+        code = source.examples(n, 1, 600)["input_ids"][0]  # the same code row, plain
+        assert torch.equal(ids[:450], code[:450])
+        a = next(a for a in range(301) if torch.equal(ids[450:], code[a : a + 150]))
+        starts.add(a)
+        assert not mask[:450].any() and mask[450:].all()  # from the repeat's second token on
+    assert len(starts) > 1  # the distance back varies: no fixed-offset head predicts the repeat
+    assert torch.equal(mixed.examples(0, 16, 600)["input_ids"], batch["input_ids"])  # deterministic
     objective = Objective(model, LossConfig(copy_weight=2.0))
     loss, metrics = objective(batch["input_ids"][:4, -64:], batch["loss_mask"][:4, -63:], batch["needle_rows"][:4],
                               batch["copy_rows"][:4])

@@ -36,6 +36,7 @@ from the previous stage's finished checkpoint, and resumes its own checkpoint wh
 from __future__ import annotations
 
 import dataclasses
+import random
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -252,17 +253,18 @@ class CodeSource:
     retrieval examples a row, the earlier tasks' needles acting as distractors for the later.
     needle_tasks: the STANDARD_TASKS names the tasks cycle through (None: all).
 
-    copy_fraction > 0: every round(1 / copy_fraction)-th code row is a copy row instead: the first
-    half of that code row, then the same tokens again, the loss on the second occurrence only
-    ("copy_rows"). Predicting text seen before is what retrieval needs (induction heads), and a
-    small model trained on ~40M code tokens does not learn it from code alone: an earlier megactx-tiny
-    run predicted a repeated 100-token code window no better than its first occurrence. With these
-    rows the H200 run went on to learn the needles (content-based), although what the rows
-    themselves taught is a head attending half a row back: its copy loss returned to the code's at
-    any other row length. Windows repeated at varying distances would ask for the content match
-    itself, but are learnt later: on a CPU at 16 × 256 tokens a step, the copy loss was 0.4-0.5
-    nats/token below the code's after 250 steps with these rows, 0.26 with half of them such
-    windows, and ~0.1 after 550 with windows only."""
+    copy_fraction > 0: every round(1 / copy_fraction)-th code row is a copy row instead: the code
+    row's first L − w tokens, then w = L // 4 of them again, from a start drawn per row, so the
+    repeat sits between w and L − w tokens after its first occurrence; the loss on the repeat only
+    ("copy_rows"). Predicting text seen before is what retrieval needs (an induction head: find the
+    earlier occurrence of the current context, continue it), and a small model trained on ~40M code
+    tokens does not learn it from code alone: an earlier megactx-tiny run predicted a repeated
+    100-token code window no better than its first occurrence. The distance must vary: rows that
+    repeated their first half exactly half a row back taught a head attending half a row back
+    instead. Two H200 runs trained so learnt the copy rows by step ~800 and then, at row lengths
+    they were not trained at, copied no better than the code's loss; one learnt the needles at
+    steps 1650-1860 of 2000, the other never did (its answer digits stayed at 2.3 nats, chance among
+    ten, where a head that continues earlier text gets all but the first)."""
 
     data: object  # megactx.train.data.TrainingData
     seed: int = 0
@@ -301,15 +303,17 @@ class CodeSource:
         masks = [m for t in tasks[:-1] for m in (t["loss_mask"], no_target)] + [tasks[-1]["loss_mask"]]
         return {"input_ids": torch.cat([t["input_ids"] for t in tasks]), "loss_mask": torch.cat(masks)}
 
-    @staticmethod
-    def _copy(row: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A code row's first half, then the same tokens again; targets: the second occurrence (but
-        its first token, which nothing announces)."""
+    def _copy(self, row: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
+        """Copy row from code row `row` (example n picks the window): its first L − w tokens, then
+        tokens a .. a + w − 1 again, a ~ U[0, L − 2w]; targets: the repeat but its first token,
+        which nothing announces."""
         ids = row["input_ids"]  # [L]
-        half = (len(ids) + 1) // 2
-        mask = torch.zeros(len(ids) - 1, dtype=torch.bool)
-        mask[half:] = True  # target j + 1 = half + 1 .. L - 1: the copy's second token on
-        return {"input_ids": torch.cat([ids[:half], ids[: len(ids) - half]]), "loss_mask": mask}
+        L = len(ids)
+        w = L // 4
+        a = random.Random(f"{self.seed}/copy/{n}").randint(0, L - 2 * w)
+        mask = torch.zeros(L - 1, dtype=torch.bool)
+        mask[L - w :] = True  # targets j + 1 = L − w + 1 .. L − 1: the repeat's second token on
+        return {"input_ids": torch.cat([ids[: L - w], ids[a : a + w]]), "loss_mask": mask}
 
     def examples(self, start: int, count: int, seq_len: int) -> dict[str, torch.Tensor]:
         every = round(1 / self.needle_fraction) if self.needle_fraction else 0
@@ -324,7 +328,7 @@ class CodeSource:
                 rows.append(self._needle(n // every, seq_len))
             else:
                 row = self._epoch(seq_len, n // per_epoch)[n % per_epoch]
-                rows.append(self._copy(row) if copy[-1] else row)
+                rows.append(self._copy(row, n) if copy[-1] else row)
         batch = {"input_ids": torch.stack([r["input_ids"] for r in rows]),
                  "loss_mask": torch.stack([r["loss_mask"] for r in rows])}
         if every:
@@ -573,7 +577,7 @@ def smoke_recipe() -> Recipe:
 def tiny_recipe() -> Recipe:
     """megactx-tiny (the `tiny` preset with top-k 128 and IndexShare 1/4: two full layers of eight,
     the pattern FSSSSSSF; ~10M parameters) on the stdlib code corpus (~2.6M train tokens), for one
-    H200 (about 25 GPU-minutes for the stages and their ablations).
+    H200 (about 20 GPU-minutes for the stages and their ablations).
 
     The pattern: the first and the last layer keep their indexers; layer 0's serves layers 1-6.
     The last layer is the one that retrieves: in a model that had learnt the needles with an
@@ -592,13 +596,16 @@ def tiny_recipe() -> Recipe:
     (LossConfig.needle_weight), so that retrieval is learnt at short lengths, its attention
     distilled into the indexers, and then extended. The dense stages ask one value (single,
     multikey, distractors); multi-query and multi-hop tasks join from `sparse` on. Half the code
-    rows are copy rows (a code window, then the same window again: CodeSource), the dense signal
-    that teaches the model to find and continue earlier text; the run without them never learnt
-    retrieval (its needle loss stayed at chance). With them, the H200 dense stage copied from step
-    ~250 and learnt the needles between steps 1650 and 1860 (needle loss 1.97 -> 0.26 nats/token).
+    rows are copy rows (a code window repeated later in its row, at a distance drawn per row:
+    CodeSource), the dense signal that teaches the model to find and continue earlier text; the run
+    without them never learnt retrieval (its needle loss stayed at chance). With copy rows that
+    repeated their first half at a fixed distance, two H200 dense stages of 2000 steps learnt that
+    distance by step ~800; one of them learnt the needles at steps 1650-1860 (needle loss 1.97 ->
+    0.26 nats/token), the other not at all. Hence windows at varying distances, which only a head
+    that matches content predicts, and 3000 steps.
 
-    Tokens: dense 2000 × 16 × 2048 ≈ 66M (a quarter code rows, a quarter copy rows: ~6 passes over
-    the corpus; ~64K needle tasks),
+    Tokens: dense 3000 × 16 × 2048 ≈ 98M (a quarter code rows, a quarter copy rows: ~9 passes over
+    the corpus; ~96K needle tasks),
     warm-up 3.3M, sparse 300 × 8 × 4096 ≈ 10M, extend 60 × 2 × 64K ≈ 7.9M, MTP 100 × 16 × 2048 +
     150 × 8 × 4096 ≈ 8M (the backbone frozen; the pipeline trains three MTP variants at once).
     max_position_embeddings is 1M so that the needle evaluation may run past the trained length.
@@ -611,7 +618,7 @@ def tiny_recipe() -> Recipe:
                            warmup_steps=warmup, save_every=100)
 
     lookups = ("single", "multikey", "distractors")  # one value to find: the retrieval circuit first
-    stages = [Stage("dense", train(2000, 2048, 16, 16, 2e-3, 60), needle_fraction=0.5, needle_len=512,
+    stages = [Stage("dense", train(3000, 2048, 16, 16, 2e-3, 60), needle_fraction=0.5, needle_len=512,
                     needle_tasks=lookups, copy_fraction=0.5),
               Stage("warmup", train(100, 2048, 16, 16, 1e-3, 10), needle_fraction=0.5, needle_len=512,
                     needle_tasks=lookups, copy_fraction=0.5),
