@@ -516,22 +516,27 @@ def test_code_source_feeds_packed_code_and_needle_tasks(tmp_path):
     assert row["needle"] == pytest.approx(float(objective(ids[0:1], mask[0:1])[1]["lm"]), rel=2e-3)  # train mode
     assert row["lm"] == pytest.approx(float(objective(ids[1:2], mask[1:2])[1]["lm"]), rel=2e-3)
 
-    # copy rows: every other code row ends with a window of its own text repeated (w = 150 of
-    # 600 tokens), from a start drawn per row, scored on the repeat
+    # copy rows: every other code row ends with code of its own repeated, scored on the repeat;
+    # copy rows alternate: the first half twice, then a window of 150 of the 600 tokens from a
+    # start drawn per row
     mixed = CodeSource(data, seed=0, needle_fraction=0.5, copy_fraction=0.5)
-    batch = mixed.examples(0, 16, 600)
-    assert batch["needle_rows"].tolist() == [True, False] * 8
-    assert batch["copy_rows"].tolist() == [False, True, False, False] * 4
+    batch = mixed.examples(0, 32, 600)
+    assert batch["needle_rows"].tolist() == [True, False] * 16
+    assert batch["copy_rows"].tolist() == [False, True, False, False] * 8
     starts = set()
-    for n in (1, 5, 9, 13):
+    for k, n in enumerate(range(1, 32, 4)):
         ids, mask = batch["input_ids"][n], batch["loss_mask"][n]
         code = source.examples(n, 1, 600)["input_ids"][0]  # the same code row, plain
-        assert torch.equal(ids[:450], code[:450])
-        a = next(a for a in range(301) if torch.equal(ids[450:], code[a : a + 150]))
-        starts.add(a)
-        assert not mask[:450].any() and mask[450:].all()  # from the repeat's second token on
-    assert len(starts) > 1  # the distance back varies: no fixed-offset head predicts the repeat
-    assert torch.equal(mixed.examples(0, 16, 600)["input_ids"], batch["input_ids"])  # deterministic
+        w = 300 if k % 2 == 0 else 150
+        assert torch.equal(ids[: 600 - w], code[: 600 - w])
+        a = next(a for a in range(600 - 2 * w + 1) if torch.equal(ids[600 - w :], code[a : a + w]))
+        if k % 2:
+            starts.add(a)
+        else:
+            assert a == 0
+        assert not mask[: 600 - w].any() and mask[600 - w :].all()  # from the repeat's second token on
+    assert len(starts) > 1  # the windows' distance back varies: no fixed-offset head predicts them
+    assert torch.equal(mixed.examples(0, 32, 600)["input_ids"], batch["input_ids"])  # deterministic
     objective = Objective(model, LossConfig(copy_weight=2.0))
     loss, metrics = objective(batch["input_ids"][:4, -64:], batch["loss_mask"][:4, -63:], batch["needle_rows"][:4],
                               batch["copy_rows"][:4])

@@ -253,18 +253,20 @@ class CodeSource:
     retrieval examples a row, the earlier tasks' needles acting as distractors for the later.
     needle_tasks: the STANDARD_TASKS names the tasks cycle through (None: all).
 
-    copy_fraction > 0: every round(1 / copy_fraction)-th code row is a copy row instead: the code
-    row's first L − w tokens, then w = L // 4 of them again, from a start drawn per row, so the
-    repeat sits between w and L − w tokens after its first occurrence; the loss on the repeat only
-    ("copy_rows"). Predicting text seen before is what retrieval needs (an induction head: find the
-    earlier occurrence of the current context, continue it), and a small model trained on ~40M code
-    tokens does not learn it from code alone: an earlier megactx-tiny run predicted a repeated
-    100-token code window no better than its first occurrence. The distance must vary: rows that
-    repeated their first half exactly half a row back taught a head attending half a row back
-    instead. Two H200 runs trained so learnt the copy rows by step ~800 and then, at row lengths
-    they were not trained at, copied no better than the code's loss; one learnt the needles at
-    steps 1650-1860 of 2000, the other never did (its answer digits stayed at 2.3 nats, chance among
-    ten, where a head that continues earlier text gets all but the first)."""
+    copy_fraction > 0: every round(1 / copy_fraction)-th code row is a copy row instead: code seen
+    earlier in the row repeated at its end, the loss on the repeat only ("copy_rows"). Predicting
+    text seen before is what retrieval needs (an induction head: find the earlier occurrence of the
+    current context, continue it), and a small model trained on ~40M code tokens does not learn it
+    from code alone: an earlier megactx-tiny run predicted a repeated 100-token code window no
+    better than its first occurrence. Copy rows alternate between two forms:
+    - the first half of the row, then the same tokens again. A model learns these fast, as a head
+      attending half a row back, which also trains the copying of what a head attends to. Two H200
+      runs with only these rows learnt them by step ~800, then copied no better than the code's
+      loss at other row lengths; one learnt the needles at steps 1650-1860 of 2000, the other never
+      did (answer digits at 2.3 nats, chance among ten);
+    - a window of L // 4 tokens repeated from a start drawn per row, so at a varying distance, which
+      only a head that matches content predicts. These alone are learnt slowly: at 16 × 256 tokens
+      a step on a CPU, their loss was still that of the code after 1000 steps."""
 
     data: object  # megactx.train.data.TrainingData
     seed: int = 0
@@ -303,14 +305,18 @@ class CodeSource:
         masks = [m for t in tasks[:-1] for m in (t["loss_mask"], no_target)] + [tasks[-1]["loss_mask"]]
         return {"input_ids": torch.cat([t["input_ids"] for t in tasks]), "loss_mask": torch.cat(masks)}
 
-    def _copy(self, row: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
-        """Copy row from code row `row` (example n picks the window): its first L − w tokens, then
-        tokens a .. a + w − 1 again, a ~ U[0, L − 2w]; targets: the repeat but its first token,
-        which nothing announces."""
-        ids = row["input_ids"]  # [L]
+    def _copy(self, row: dict[str, torch.Tensor], k: int) -> dict[str, torch.Tensor]:
+        """Copy row k (k-th among copy rows) from code row `row` [L]. Even k: the row's first half,
+        then the same tokens again. Odd k: its first L − w tokens, then tokens a .. a + w − 1 again
+        (w = L // 4, a ~ U[0, L − 2w] drawn from k). Targets: the repeat but its first token, which
+        nothing announces."""
+        ids = row["input_ids"]
         L = len(ids)
-        w = L // 4
-        a = random.Random(f"{self.seed}/copy/{n}").randint(0, L - 2 * w)
+        if k % 2 == 0:
+            w, a = L // 2, 0  # the second half repeats the first: [0, L − w) then [0, w)
+        else:
+            w = L // 4
+            a = random.Random(f"{self.seed}/copy/{k}").randint(0, L - 2 * w)
         mask = torch.zeros(L - 1, dtype=torch.bool)
         mask[L - w :] = True  # targets j + 1 = L − w + 1 .. L − 1: the repeat's second token on
         return {"input_ids": torch.cat([ids[: L - w], ids[a : a + w]]), "loss_mask": mask}
@@ -328,7 +334,7 @@ class CodeSource:
                 rows.append(self._needle(n // every, seq_len))
             else:
                 row = self._epoch(seq_len, n // per_epoch)[n % per_epoch]
-                rows.append(self._copy(row, n) if copy[-1] else row)
+                rows.append(self._copy(row, code // copy_every) if copy[-1] else row)
         batch = {"input_ids": torch.stack([r["input_ids"] for r in rows]),
                  "loss_mask": torch.stack([r["loss_mask"] for r in rows])}
         if every:
@@ -596,13 +602,13 @@ def tiny_recipe() -> Recipe:
     (LossConfig.needle_weight), so that retrieval is learnt at short lengths, its attention
     distilled into the indexers, and then extended. The dense stages ask one value (single,
     multikey, distractors); multi-query and multi-hop tasks join from `sparse` on. Half the code
-    rows are copy rows (a code window repeated later in its row, at a distance drawn per row:
-    CodeSource), the dense signal that teaches the model to find and continue earlier text; the run
-    without them never learnt retrieval (its needle loss stayed at chance). With copy rows that
-    repeated their first half at a fixed distance, two H200 dense stages of 2000 steps learnt that
-    distance by step ~800; one of them learnt the needles at steps 1650-1860 (needle loss 1.97 ->
-    0.26 nats/token), the other not at all. Hence windows at varying distances, which only a head
-    that matches content predicts, and 3000 steps.
+    rows are copy rows (code repeated later in its row: CodeSource), the dense signal that teaches
+    the model to find and continue earlier text; the run without them never learnt retrieval (its
+    needle loss stayed at chance). With copy rows that all repeated their first half at a fixed
+    distance, two H200 dense stages of 2000 steps learnt that distance by step ~800; one of them
+    learnt the needles at steps 1650-1860 (needle loss 1.97 -> 0.26 nats/token), the other not at
+    all. Hence half the copy rows now repeat a window at a varying distance, which only a head that
+    matches content predicts, and 3000 steps.
 
     Tokens: dense 3000 × 16 × 2048 ≈ 98M (a quarter code rows, a quarter copy rows: ~9 passes over
     the corpus; ~96K needle tasks),
