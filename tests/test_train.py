@@ -537,6 +537,11 @@ def test_code_source_feeds_packed_code_and_needle_tasks(tmp_path):
         assert not mask[: 600 - w].any() and mask[600 - w :].all()  # from the repeat's second token on
     assert len(starts) > 1  # the windows' distance back varies: no fixed-offset head predicts them
     assert torch.equal(mixed.examples(0, 32, 600)["input_ids"], batch["input_ids"])  # deterministic
+    halves = CodeSource(data, seed=0, needle_fraction=0.5, copy_fraction=0.5, copy_forms=("half",)).examples(0, 32, 600)
+    for n in range(1, 32, 4):  # one form: every copy row repeats its first half
+        assert torch.equal(halves["input_ids"][n, 300:], halves["input_ids"][n, :300])
+    with pytest.raises(ValueError, match="copy_forms"):
+        dataclass_replace(smoke_recipe(), copy_forms=("halves",))
     objective = Objective(model, LossConfig(copy_weight=2.0))
     loss, metrics = objective(batch["input_ids"][:4, -64:], batch["loss_mask"][:4, -63:], batch["needle_rows"][:4],
                               batch["copy_rows"][:4])

@@ -51,6 +51,13 @@ def add_train_parser(subparsers: Any) -> None:
     p.add_argument("--mtp-loss", choices=("ce", "tv", "ce+tv"), default=None, help="MTP objective (default: ce)")
     p.add_argument("--mtp-share", action=argparse.BooleanOptionalAction, default=None,
                    help="IndexShare + KVShare across MTP steps (default: on)")
+    p.add_argument("--copy-forms", default=None,
+                   help="comma-separated forms the copy rows cycle through, of half (the row's first half "
+                        "repeated) and window (a window repeated from a start drawn per row) (default: "
+                        "half,window)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the initialisation, the data order, the needles and the copy windows "
+                        "(default: 0); give the same one when resuming a run")
     p.add_argument("--parallel", choices=("auto", "fsdp", "ddp"), default=None, help="data-parallel wrapper")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--export", type=Path, default=None,
@@ -74,6 +81,10 @@ def build_recipe(args: argparse.Namespace):
         changes["mtp_loss"] = args.mtp_loss
     if args.mtp_share is not None:
         changes["mtp_share"] = args.mtp_share
+    if args.copy_forms:
+        changes["copy_forms"] = tuple(f.strip() for f in args.copy_forms.split(",") if f.strip())
+    if args.seed is not None:
+        changes["seed"] = args.seed
     recipe = dataclasses.replace(recipe, **changes)
     if args.steps_scale != 1.0:
         recipe = recipe.scaled(args.steps_scale)

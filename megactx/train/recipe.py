@@ -68,6 +68,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 ATTENTION_VARIANTS = ("indexshare", "dsa", "dense")
+COPY_FORMS = ("half", "window")  # CodeSource's copy rows
 
 
 @dataclass
@@ -105,7 +106,8 @@ class Recipe:
     `sparse` on). data: "synthetic" (RandomTokens) or "code" (megactx.train.data: the stdlib corpus
     and its tokenizer, whose vocabulary replaces the model's). attention: one of ATTENTION_VARIANTS
     (module docstring). mtp_steps: γ; mtp_loss: "ce", "tv" or "ce+tv"; mtp_share: IndexShare +
-    KVShare across the MTP steps."""
+    KVShare across the MTP steps. copy_forms: the forms of COPY_FORMS the copy rows cycle through
+    (CodeSource). seed: the model's initialisation and the data's order, needles and copy windows."""
 
     name: str
     model: ModelConfig
@@ -116,9 +118,12 @@ class Recipe:
     mtp_loss: str = "ce"
     mtp_share: bool = True
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    copy_forms: tuple[str, ...] = COPY_FORMS
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if not self.copy_forms or set(self.copy_forms) - set(COPY_FORMS):
+            raise ValueError(f"copy_forms must name some of {', '.join(COPY_FORMS)}, got {self.copy_forms}")
         if self.data not in ("synthetic", "code"):
             raise ValueError(f"data must be 'synthetic' or 'code', got {self.data!r}")
         if self.attention not in ATTENTION_VARIANTS:
@@ -258,13 +263,13 @@ class CodeSource:
     text seen before is what retrieval needs (an induction head: find the earlier occurrence of the
     current context, continue it), and a small model trained on ~40M code tokens does not learn it
     from code alone: an earlier megactx-tiny run predicted a repeated 100-token code window no
-    better than its first occurrence. Copy rows alternate between two forms:
-    - the first half of the row, then the same tokens again. A model learns these fast, as a head
+    better than its first occurrence. Copy rows cycle through `copy_forms` (COPY_FORMS):
+    - "half": the first half of the row, then the same tokens again. A model learns these fast, as a head
       attending half a row back, which also trains the copying of what a head attends to. Two H200
       runs with only these rows learnt them by step ~800, then copied no better than the code's
       loss at other row lengths; one learnt the needles at steps 1650-1860 of 2000, the other never
       did (answer digits at 2.3 nats, chance among ten);
-    - a window of L // 4 tokens repeated from a start drawn per row, so at a varying distance, which
+    - "window": a window of L // 4 tokens repeated from a start drawn per row, so at a varying distance, which
       only a head that matches content predicts. These alone are learnt slowly: at 16 × 256 tokens
       a step on a CPU, their loss was still that of the code after 1000 steps."""
 
@@ -274,6 +279,7 @@ class CodeSource:
     needle_len: int | None = None
     needle_tasks: tuple[str, ...] | None = None
     copy_fraction: float = 0.0
+    copy_forms: tuple[str, ...] = COPY_FORMS
     _packed: dict = field(default_factory=dict, repr=False)  # (seq_len, epoch) -> PackedDataset
     _needles: object = field(default=None, repr=False)
 
@@ -306,13 +312,13 @@ class CodeSource:
         return {"input_ids": torch.cat([t["input_ids"] for t in tasks]), "loss_mask": torch.cat(masks)}
 
     def _copy(self, row: dict[str, torch.Tensor], k: int) -> dict[str, torch.Tensor]:
-        """Copy row k (k-th among copy rows) from code row `row` [L]. Even k: the row's first half,
-        then the same tokens again. Odd k: its first L − w tokens, then tokens a .. a + w − 1 again
-        (w = L // 4, a ~ U[0, L − 2w] drawn from k). Targets: the repeat but its first token, which
-        nothing announces."""
+        """Copy row k (k-th among copy rows) from code row `row` [L], in form copy_forms[k mod n].
+        "half": the row's first half, then the same tokens again. "window": its first L − w tokens,
+        then tokens a .. a + w − 1 again (w = L // 4, a ~ U[0, L − 2w] drawn from k). Targets: the
+        repeat but its first token, which nothing announces."""
         ids = row["input_ids"]
         L = len(ids)
-        if k % 2 == 0:
+        if self.copy_forms[k % len(self.copy_forms)] == "half":
             w, a = L // 2, 0  # the second half repeats the first: [0, L − w) then [0, w)
         else:
             w = L // 4
@@ -368,7 +374,8 @@ def stage_source(recipe: Recipe, index: int, data) -> TokenSource:
         return RandomTokens(recipe.model.vocab_size, seed=recipe.seed)
     stage = recipe.stages[index]
     return CodeSource(data, seed=recipe.seed, needle_fraction=stage.needle_fraction, needle_len=stage.needle_len,
-                      needle_tasks=stage.needle_tasks, copy_fraction=stage.copy_fraction)
+                      needle_tasks=stage.needle_tasks, copy_fraction=stage.copy_fraction,
+                      copy_forms=recipe.copy_forms)
 
 
 # ---------------------------------------------------------------------------------------------
