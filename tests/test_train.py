@@ -37,6 +37,7 @@ from megactx.train.losses import (
     tv_loss,
 )
 from megactx.train.recipe import (
+    Stage,
     adapt_model,
     loss_config,
     set_trainable,
@@ -359,6 +360,21 @@ def test_indexshare_conversion_keeps_the_full_layers_indexers_and_drops_the_othe
         adapt_model(shared, every.cfg)
 
 
+def test_the_yarn_stage_stretches_the_rotary_positions_from_there_on():
+    recipe = smoke_recipe()  # extend: rows of 96 after 48, yarn on
+    assert stage_model_config(recipe, stage_index("sparse")).rope_parameters["rope_type"] == "default"
+    for kind in ("extend", "mtp"):  # the MTP stages train the model the extend stage left
+        rope = stage_model_config(recipe, stage_index(kind)).rope_parameters
+        assert (rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"]) == ("yarn", 2.0, 48)
+    sparse = build_model(stage_model_config(recipe, stage_index("sparse")), seed=0)
+    extend = adapt_model(sparse, stage_model_config(recipe, stage_index("extend")))
+    ids = token_ids(1, 40)
+    with torch.no_grad():  # same weights, other positions: a different function of the same text
+        assert not torch.allclose(sparse(ids), extend(ids))
+    with pytest.raises(ValueError, match="yarn"):
+        dataclass_replace(recipe, stages=[dataclass_replace(recipe.stages[0], yarn=True), *recipe.stages[1:]])
+
+
 # ---------------------------------------------------------------------------------------------
 # Trainer mechanics
 # ---------------------------------------------------------------------------------------------
@@ -557,6 +573,15 @@ def test_code_source_feeds_packed_code_and_needle_tasks(tmp_path):
     assert mask.sum() == sum(int(t["loss_mask"].sum()) for t in tasks)
     assert not mask[[399, 799]].any()  # no target across a task boundary
     assert mask[398] and mask[798] and mask[-1]  # every task ends with its scored answer
+    # lengths cycled by needle row: one task across the row, then three of 400 tokens, then again
+    cycled = CodeSource(data, seed=0, needle_fraction=1.0, needle_len=(1200, 400))
+    rows = cycled.examples(0, 3, 1200)
+    assert torch.equal(rows["input_ids"][0], cycled._needle_task(0, 1200)["input_ids"])
+    assert torch.equal(rows["input_ids"][1], torch.cat([cycled._needle_task(i, 400)["input_ids"] for i in (3, 4, 5)]))
+    assert rows["loss_mask"][1].sum() == sum(int(cycled._needle_task(i, 400)["loss_mask"].sum()) for i in (3, 4, 5))
+    assert torch.equal(rows["input_ids"][2], cycled._needle_task(6, 1200)["input_ids"])
+    with pytest.raises(ValueError, match="needle_len"):
+        Stage("dense", TrainConfig(steps=1, seq_len=64, global_batch=1, micro_batch=1), needle_len=(512, 0))
 
 
 # ---------------------------------------------------------------------------------------------

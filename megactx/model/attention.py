@@ -125,14 +125,20 @@ class Indexer(nn.Module):
             rot = self.rotation(q.device)
             q8, q_scale = quantize_rows(q.float() @ rot)  # [B, S, HI, DI], [B, S, HI]
             k8, k_scale = quantize_rows(k.float() @ rot)  # [B, T, DI], [B, T]
-            logits = F.relu(torch.matmul(q8.float(), k8.float().transpose(-1, -2).unsqueeze(1)))
+            logits = F.relu(_head_dots(q8.float(), k8.float()))
             logits = logits * k_scale[:, None, None, :] * self.head_dim**-0.5  # [B, S, HI, T]
             w = w * q_scale
         else:
-            # Same operation order as transformers so near-ties break identically in fp32.
-            logits = torch.matmul(q.float(), k.float().transpose(-1, -2).unsqueeze(1)) * self.head_dim**-0.5
-            logits = F.relu(logits)  # [B, S, HI, T]
+            logits = F.relu(_head_dots(q.float(), k.float()) * self.head_dim**-0.5)  # [B, S, HI, T]
         return torch.matmul(w.unsqueeze(-2), logits).squeeze(-2)  # [B, S, T]
+
+
+def _head_dots(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q: [B, S, HI, DI], k: [B, T, DI] -> [B, S, HI, T]: one [S·HI, DI] × [DI, T] product a row.
+    (torch.matmul(q, k.transpose(-1, -2).unsqueeze(1)) computes the same but first copies k once
+    per query: DI/HI times the logits' own memory.)"""
+    B, S, HI, DI = q.shape
+    return torch.bmm(q.reshape(B, S * HI, DI), k.transpose(-1, -2)).view(B, S, HI, -1)
 
 
 class MLA(nn.Module):

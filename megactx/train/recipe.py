@@ -75,19 +75,27 @@ COPY_FORMS = ("half", "window")  # CodeSource's copy rows
 class Stage:
     """kind: one of STAGE_KINDS. needle_fraction: share of the stage's sequences that are needle
     tasks instead of code (code data only); needle_len: tokens a needle task, several packed a row
-    when shorter than the rows (None: one task a row); needle_tasks: names of
+    when shorter than the rows (None: one task a row), or a tuple of such lengths that the needle
+    rows cycle through (a row of long tasks, a row of short ones, ...); needle_tasks: names of
     megactx.train.needles.STANDARD_TASKS the needle rows cycle through (None: all of them);
     copy_fraction: share of the other (code) rows that are copy rows, a code window followed by
-    itself (see CodeSource)."""
+    itself (see CodeSource). yarn: this stage lengthens the context by YaRN (the rotary
+    frequencies that do not complete their turns within the earlier stages' longest rows are
+    interpolated, by this stage's rows over those); the model keeps it from here on."""
 
     kind: str
     train: TrainConfig
     needle_fraction: float = 0.0
-    needle_len: int | None = None
+    needle_len: int | tuple[int, ...] | None = None
     needle_tasks: tuple[str, ...] | None = None
     copy_fraction: float = 0.0
+    yarn: bool = False
 
     def __post_init__(self) -> None:
+        lengths = self.needle_len if isinstance(self.needle_len, tuple) else (self.needle_len,)
+        if not lengths or any(n is not None and n < 1 for n in lengths):
+            raise ValueError(f"needle_len must be a positive number of tokens or a tuple of them, "
+                             f"got {self.needle_len}")
         if self.kind not in STAGE_KINDS:
             raise ValueError(f"stage kind must be one of {', '.join(STAGE_KINDS)}, got {self.kind!r}")
         for name in ("needle_fraction", "copy_fraction"):
@@ -128,6 +136,10 @@ class Recipe:
             raise ValueError(f"data must be 'synthetic' or 'code', got {self.data!r}")
         if self.attention not in ATTENTION_VARIANTS:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION_VARIANTS)}, got {self.attention!r}")
+        for i, stage in enumerate(self.stages):
+            if stage.yarn and (i == 0 or stage.train.seq_len <= max(s.train.seq_len for s in self.stages[:i])):
+                raise ValueError(f"stage {stage.kind!r} has yarn on: it must come after a stage and train longer rows "
+                                 "than every stage before it (YaRN stretches the positions of those)")
         if any(s.kind in MTP_KINDS for s in self.stages) and not self.model.num_nextn_predict_layers:
             raise ValueError("MTP stages need model.num_nextn_predict_layers >= 1")
         LossConfig(mtp_steps=self.mtp_steps, mtp_loss=self.mtp_loss)  # validates both
@@ -172,7 +184,8 @@ class Recipe:
 def stage_model_config(recipe: Recipe, index: int) -> ModelConfig:
     """The architecture stage `index` trains: every layer full in `dense`, the recipe's IndexShare
     pattern from `warmup` on (or its attention variant's); max_position_embeddings raised to
-    the longest sequence trained so far; MTP sharing as the recipe says."""
+    the longest sequence trained so far; MTP sharing as the recipe says; YaRN rotary positions from
+    the first stage with `yarn` on."""
     cfg = recipe.model
     kind = recipe.stages[index].kind
     longest = max(s.train.seq_len for s in recipe.stages[: index + 1])
@@ -184,6 +197,14 @@ def stage_model_config(recipe: Recipe, index: int) -> ModelConfig:
         cfg = cfg.replace(index_topk=cfg.max_position_embeddings)  # every causal key: dense attention
     if kind in MTP_KINDS:
         cfg = cfg.replace(index_share_for_mtp_iteration=recipe.mtp_share)
+    yarn = [i for i in range(index + 1) if recipe.stages[i].yarn]
+    if yarn:
+        original = max(s.train.seq_len for s in recipe.stages[: yarn[0]])
+        longest = max(recipe.stages[i].train.seq_len for i in yarn)
+        cfg = cfg.replace(rope_parameters={
+            "rope_type": "yarn", "rope_theta": cfg.rope_theta, "factor": longest / original,
+            "original_max_position_embeddings": original, "beta_fast": 32, "beta_slow": 1,
+            "mscale": 1.0, "mscale_all_dim": 1.0})  # DeepSeek-V3's YaRN settings
     return cfg
 
 
@@ -255,7 +276,9 @@ class CodeSource:
     "needle_rows" marks those rows, whose loss the Objective weighs apart from the code's).
     needle_len: when shorter than the rows, a needle row packs seq_len // needle_len tasks of
     needle_len tokens (the last one takes the remainder), each with its own needles: many cheap
-    retrieval examples a row, the earlier tasks' needles acting as distractors for the later.
+    retrieval examples a row, the earlier tasks' needles acting as distractors for the later. A
+    tuple of lengths: needle row m takes needle_len[m mod len], so that retrieval is trained both
+    across the whole row and, cheaply, many times at shorter distances.
     needle_tasks: the STANDARD_TASKS names the tasks cycle through (None: all).
 
     copy_fraction > 0: every round(1 / copy_fraction)-th code row is a copy row instead: code seen
@@ -276,7 +299,7 @@ class CodeSource:
     data: object  # megactx.train.data.TrainingData
     seed: int = 0
     needle_fraction: float = 0.0
-    needle_len: int | None = None
+    needle_len: int | tuple[int, ...] | None = None
     needle_tasks: tuple[str, ...] | None = None
     copy_fraction: float = 0.0
     copy_forms: tuple[str, ...] = COPY_FORMS
@@ -301,12 +324,16 @@ class CodeSource:
         return NeedleDataset(self._needles, seq_len - 1, num_examples=n + 1, tasks=tasks, seed=self.seed)[n]
 
     def _needle(self, n: int, seq_len: int) -> dict[str, torch.Tensor]:
-        """Needle row n: one task of seq_len tokens, or k packed tasks (tasks n·k … n·k + k − 1)."""
-        if not self.needle_len or self.needle_len * 2 > seq_len:
-            return self._needle_task(n, seq_len)
-        k = seq_len // self.needle_len
-        lengths = [self.needle_len] * (k - 1) + [seq_len - self.needle_len * (k - 1)]
-        tasks = [self._needle_task(n * k + i, length) for i, length in enumerate(lengths)]
+        """Needle row n: one task of seq_len tokens, or k packed tasks of the row's needle length
+        (tasks n·K … n·K + k − 1, K = seq_len // the shortest length: every row's tasks differ)."""
+        cycle = self.needle_len if isinstance(self.needle_len, tuple) else (self.needle_len,)
+        task_len = cycle[n % len(cycle)]
+        K = max(1, seq_len // min(length or seq_len for length in cycle))
+        if not task_len or task_len * 2 > seq_len:
+            return self._needle_task(n * K, seq_len)
+        k = seq_len // task_len
+        lengths = [task_len] * (k - 1) + [seq_len - task_len * (k - 1)]
+        tasks = [self._needle_task(n * K + i, length) for i, length in enumerate(lengths)]
         no_target = torch.zeros(1, dtype=torch.bool)  # a task's last token does not predict the next task's first
         masks = [m for t in tasks[:-1] for m in (t["loss_mask"], no_target)] + [tasks[-1]["loss_mask"]]
         return {"input_ids": torch.cat([t["input_ids"] for t in tasks]), "loss_mask": torch.cat(masks)}
@@ -582,7 +609,7 @@ def smoke_recipe() -> Recipe:
         return TrainConfig(steps=steps, seq_len=seq_len, global_batch=4, micro_batch=2, lr=lr, warmup_steps=1)
 
     stages = [Stage("dense", train(4, 48, 3e-3)), Stage("warmup", train(3, 48, 3e-3)),
-              Stage("sparse", train(3, 48, 1e-3)), Stage("extend", train(2, 96, 5e-4)),
+              Stage("sparse", train(3, 48, 1e-3)), Stage("extend", train(2, 96, 5e-4), yarn=True),
               Stage("mtp_warmup", train(2, 48, 3e-3)), Stage("mtp", train(2, 48, 1e-3))]
     return Recipe("smoke", model, stages, chunk_bytes=256 << 10)
 
@@ -603,19 +630,32 @@ def tiny_recipe() -> Recipe:
     FSSSSSSF answered held-out needles at least as well as every-layer DSA (answer loss 0.67 vs 0.92
     nats/token), its code loss 0.24 nats/token higher at that small budget.
 
-    Needle tasks are half the rows of the backbone stages, packed several to a row (512 tokens
-    each in `dense` and `warmup`, 1024 in `sparse`, one 64K task a row in `extend`, whose steps
-    take a code row and a needle row each); their answer loss is weighed apart from the code's
-    (LossConfig.needle_weight), so that retrieval is learnt at short lengths, its attention
-    distilled into the indexers, and then extended. The dense stages ask one value (single,
-    multikey, distractors); multi-query and multi-hop tasks join from `sparse` on. Half the code
-    rows are copy rows (code repeated later in its row: CodeSource), the dense signal that teaches
-    the model to find and continue earlier text; the run without them never learnt retrieval (its
-    needle loss stayed at chance). With copy rows that all repeated their first half at a fixed
-    distance, two H200 dense stages of 2000 steps learnt that distance by step ~800; one of them
-    learnt the needles at steps 1650-1860 (needle loss 1.97 -> 0.26 nats/token), the other not at
-    all. Hence half the copy rows now repeat a window at a varying distance, which only a head that
-    matches content predicts, and 3000 steps.
+    Needle tasks are half the rows of the backbone stages: 512 tokens each, packed four a row, in
+    `dense` and `warmup`; in `sparse`, rows of one 4096-token task alternate with rows of four of
+    1024; in `extend` (a code row and a needle row a step), one 64K task, then sixteen of 4096. Their
+    answer loss is weighed apart from the code's (LossConfig.needle_weight), so that retrieval is
+    learnt at short lengths, its attention distilled into the indexers, and then extended. Each
+    stage's tasks span its whole rows: a run whose `sparse` tasks were all 1024 tokens found needles
+    within ~1.5K tokens of the question and few beyond (at 4K: 12% of those at depth 0-0.2, 100%
+    at 0.6-1.0), and lost even those in `extend`.
+
+    `extend` stretches the rotary positions by YaRN (factor 16 over the 4096 of `sparse`). Without
+    it the `sparse` model's held-out loss rose with the context (1.386, 1.715, 1.976 bits/byte at
+    4K, 8K, 16K), the extend stage began at 5 nats/token on code and ended at 3.6, and the needles
+    fell to chance; with YaRN put on the same model untrained, 4K cost more (1.570) but 8K far
+    less (1.601): the loss no longer climbs with the distance.
+
+    The dense stages ask one value (single, multikey, distractors); multi-query and multi-hop tasks
+    join from `sparse` on. Half the code rows are copy rows (code repeated later in its row:
+    CodeSource), the dense signal that teaches the model to find and continue earlier text; the run
+    without them never learnt retrieval (its needle loss stayed at chance). With copy rows that all
+    repeated their first half at a fixed distance, two H200 dense stages of 2000 steps learnt that
+    distance by step ~800; one of them learnt the needles at steps 1650-1860 (needle loss 1.97 ->
+    0.26 nats/token), the other not at all. Hence half the copy rows now repeat a window at a
+    varying distance, which only a head that matches content predicts, and 3000 steps. Two H200
+    dense stages of 3000 steps, side by side, both learnt the needles: these copy rows (seed 0) at
+    steps ~2250-2500 (needle loss of the last 100 steps 0.027), the half repeat alone (`--copy-forms
+    half --seed 1`) at ~1750-2000 (0.006).
 
     Tokens: dense 3000 × 16 × 2048 ≈ 98M (a quarter code rows, a quarter copy rows: ~9 passes over
     the corpus; ~96K needle tasks),
@@ -635,9 +675,10 @@ def tiny_recipe() -> Recipe:
                     needle_tasks=lookups, copy_fraction=0.5),
               Stage("warmup", train(100, 2048, 16, 16, 1e-3, 10), needle_fraction=0.5, needle_len=512,
                     needle_tasks=lookups, copy_fraction=0.5),
-              Stage("sparse", train(300, 4096, 8, 8, 1e-3, 30), needle_fraction=0.5, needle_len=1024,
+              Stage("sparse", train(300, 4096, 8, 8, 1e-3, 30), needle_fraction=0.5, needle_len=(4096, 1024),
                     copy_fraction=0.5),
-              Stage("extend", train(60, 65536, 2, 1, 3e-4, 6), needle_fraction=0.5, copy_fraction=0.5),
+              Stage("extend", train(60, 65536, 2, 1, 3e-4, 6), needle_fraction=0.5, needle_len=(65536, 4096),
+                    copy_fraction=0.5, yarn=True),
               Stage("mtp_warmup", train(100, 2048, 16, 16, 1e-3, 10)),
               Stage("mtp", train(150, 4096, 8, 8, 1e-3, 15))]
     return Recipe("tiny", model, stages, data="code", chunk_bytes=1 << 30)
