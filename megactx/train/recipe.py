@@ -642,8 +642,8 @@ def tiny_recipe() -> Recipe:
     `extend` stretches the rotary positions by YaRN (factor 16 over the 4096 of `sparse`). Without
     it the `sparse` model's held-out loss rose with the context (1.386, 1.715, 1.976 bits/byte at
     4K, 8K, 16K), the extend stage began at 5 nats/token on code and ended at 3.6, and the needles
-    fell to chance; with YaRN put on the same model untrained, 4K cost more (1.570) but 8K far
-    less (1.601): the loss no longer climbs with the distance.
+    fell to chance; with YaRN put on the same model untrained, 4K cost more (1.570) but 8K and 16K
+    far less (1.601, 1.719): the loss climbs far less with the distance, before any training.
 
     The dense stages ask one value (single, multikey, distractors); multi-query and multi-hop tasks
     join from `sparse` on. Half the code rows are copy rows (code repeated later in its row:
