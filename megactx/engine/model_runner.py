@@ -32,6 +32,7 @@ and a profiled forward of `max_num_batched_tokens` tokens (activations); on a CP
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -192,15 +193,24 @@ class CudaGraphCapture:
         fn()  # compiles the Triton kernels and warms the allocator outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            # a synchronizing call would invalidate the capture and surface later as "operation failed
-            # due to a previous error during capture"; in this mode it raises where it is made
-            previous = torch.cuda.get_sync_debug_mode()
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                outputs = fn()
-            finally:
-                torch.cuda.set_sync_debug_mode(previous)
+        # No garbage collection while capturing: a dead cycle collected then (another engine's
+        # graphs, say) would destroy its graphs and memory mid-capture, which invalidates this one.
+        # (torch.cuda.graph no longer collects before it begins.)
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                # a synchronizing call would invalidate the capture and surface later as "operation
+                # failed due to a previous error during capture"; in this mode it raises where it is made
+                previous = torch.cuda.get_sync_debug_mode()
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    outputs = fn()
+                finally:
+                    torch.cuda.set_sync_debug_mode(previous)
+        finally:
+            if collecting:
+                gc.enable()
         self.pool = graph.pool()
         return Graph(graph.replay, outputs)
 
