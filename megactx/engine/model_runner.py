@@ -80,6 +80,8 @@ def plan_num_blocks(model: Transformer, kv_dtype: torch.dtype, index_dtype: torc
         budget = int(total * gpu_memory_utilization) - used_by_others - peak
         num_blocks = budget // per_block
         where = f"{gpu_memory_utilization:.0%} of the GPU's {total / 2**30:.1f} GiB after weights and activations"
+        if used_by_others > 1 << 30:
+            where += f" and the {used_by_others / 2**30:.1f} GiB that other processes hold"
     else:
         wanted = max_num_seqs * -(-max_model_len // BLOCK_SIZE)
         num_blocks = min(wanted, cpu_cache_bytes // per_block)
