@@ -637,7 +637,8 @@ def tiny_recipe() -> Recipe:
     learnt at short lengths, its attention distilled into the indexers, and then extended. Each
     stage's tasks span its whole rows: a run whose `sparse` tasks were all 1024 tokens found needles
     within ~1.5K tokens of the question and few beyond (at 4K: 12% of those at depth 0-0.2, 100%
-    at 0.6-1.0), and lost even those in `extend`.
+    at 0.6-1.0), and lost even those in `extend`. 30 CPU steps of two 4096-token tasks on that
+    model took it from 62% to 85% at 4K (88% at depth 0-0.2).
 
     `extend` stretches the rotary positions by YaRN (factor 16 over the 4096 of `sparse`). Without
     it the `sparse` model's held-out loss rose with the context (1.386, 1.715, 1.976 bits/byte at
