@@ -59,6 +59,7 @@ CASES = {
     "glm-all-dense": ("glm_moe_dsa", dict(first_k_dense_replace=4)),
     "glm-grouped-routing": ("glm_moe_dsa", dict(n_group=4, topk_group=2, num_experts_per_tok=3)),
     "glm-no-norm-topk": ("glm_moe_dsa", dict(norm_topk_prob=False, routed_scaling_factor=1.0)),
+    "glm-yarn": ("glm_moe_dsa", dict(rope_parameters=YARN, index_topk_pattern="FSSF")),  # megactx-tiny's extension
     "dsv32-default": ("deepseek_v32", dict()),
     "dsv32-yarn-groups": ("deepseek_v32", dict(rope_parameters=YARN, n_group=4, topk_group=2)),
 }
