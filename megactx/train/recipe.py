@@ -71,6 +71,11 @@ ATTENTION_VARIANTS = ("indexshare", "dsa", "dense")
 COPY_FORMS = ("half", "window")  # CodeSource's copy rows
 
 
+def needle_lengths(needle_len: int | tuple[int, ...] | None) -> tuple[int | None, ...]:
+    """Stage.needle_len as the cycle of lengths the needle rows go through."""
+    return needle_len if isinstance(needle_len, tuple) else (needle_len,)
+
+
 @dataclass
 class Stage:
     """kind: one of STAGE_KINDS. needle_fraction: share of the stage's sequences that are needle
@@ -92,7 +97,7 @@ class Stage:
     yarn: bool = False
 
     def __post_init__(self) -> None:
-        lengths = self.needle_len if isinstance(self.needle_len, tuple) else (self.needle_len,)
+        lengths = needle_lengths(self.needle_len)
         if not lengths or any(n is not None and n < 1 for n in lengths):
             raise ValueError(f"needle_len must be a positive number of tokens or a tuple of them, "
                              f"got {self.needle_len}")
@@ -200,9 +205,9 @@ def stage_model_config(recipe: Recipe, index: int) -> ModelConfig:
     yarn = [i for i in range(index + 1) if recipe.stages[i].yarn]
     if yarn:
         original = max(s.train.seq_len for s in recipe.stages[: yarn[0]])
-        longest = max(recipe.stages[i].train.seq_len for i in yarn)
+        stretched = max(recipe.stages[i].train.seq_len for i in yarn)
         cfg = cfg.replace(rope_parameters={
-            "rope_type": "yarn", "rope_theta": cfg.rope_theta, "factor": longest / original,
+            "rope_type": "yarn", "rope_theta": cfg.rope_theta, "factor": stretched / original,
             "original_max_position_embeddings": original, "beta_fast": 32, "beta_slow": 1,
             "mscale": 1.0, "mscale_all_dim": 1.0})  # DeepSeek-V3's YaRN settings
     return cfg
@@ -287,14 +292,14 @@ class CodeSource:
     current context, continue it), and a small model trained on ~40M code tokens does not learn it
     from code alone: an earlier megactx-tiny run predicted a repeated 100-token code window no
     better than its first occurrence. Copy rows cycle through `copy_forms` (COPY_FORMS):
-    - "half": the first half of the row, then the same tokens again. A model learns these fast, as a head
-      attending half a row back, which also trains the copying of what a head attends to. Two H200
-      runs with only these rows learnt them by step ~800, then copied no better than the code's
+    - "half": the first half of the row, then the same tokens again. A model learns these fast, as a
+      head attending half a row back, which also trains the copying of what a head attends to. Two
+      H200 runs with only these rows learnt them by step ~800, then copied no better than the code's
       loss at other row lengths; one learnt the needles at steps 1650-1860 of 2000, the other never
       did (answer digits at 2.3 nats, chance among ten);
-    - "window": a window of L // 4 tokens repeated from a start drawn per row, so at a varying distance, which
-      only a head that matches content predicts. These alone are learnt slowly: at 16 × 256 tokens
-      a step on a CPU, their loss was still that of the code after 1000 steps."""
+    - "window": a window of L // 4 tokens repeated from a start drawn per row, so at a varying
+      distance, which only a head that matches content predicts. These alone are learnt slowly: at
+      16 × 256 tokens a step on a CPU, their loss was still that of the code after 1000 steps."""
 
     data: object  # megactx.train.data.TrainingData
     seed: int = 0
@@ -326,7 +331,7 @@ class CodeSource:
     def _needle(self, n: int, seq_len: int) -> dict[str, torch.Tensor]:
         """Needle row n: one task of seq_len tokens, or k packed tasks of the row's needle length
         (tasks n·K … n·K + k − 1, K = seq_len // the shortest length: every row's tasks differ)."""
-        cycle = self.needle_len if isinstance(self.needle_len, tuple) else (self.needle_len,)
+        cycle = needle_lengths(self.needle_len)
         task_len = cycle[n % len(cycle)]
         K = max(1, seq_len // min(length or seq_len for length in cycle))
         if not task_len or task_len * 2 > seq_len:
