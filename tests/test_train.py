@@ -703,3 +703,16 @@ def test_gpu_bf16_autocast_loss_tracks_fp32():
         with torch.autocast("cuda", dtype=torch.bfloat16):
             bf16, _ = objective(ids)
     assert abs(bf16.item() - fp32.item()) <= 0.02 * fp32.item()
+
+
+def test_train_cli_overrides_reach_the_recipe():
+    from megactx.cli import build_parser
+    from megactx.train.cli import build_recipe
+    from megactx.train.recipe import tiny_recipe
+
+    parse = build_parser().parse_args
+    recipe = build_recipe(parse(["train", "--recipe", "tiny", "--topk", "256", "--seed", "3", "--copy-forms", "half"]))
+    assert (recipe.model.index_topk, recipe.seed, recipe.copy_forms) == (256, 3, ("half",))
+    assert recipe.model.indexer_types == tiny_recipe().model.indexer_types  # the pattern is kept
+    with pytest.raises(ValueError, match="--topk"):
+        build_recipe(parse(["train", "--smoke", "--topk", "0"]))

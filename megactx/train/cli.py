@@ -58,6 +58,9 @@ def add_train_parser(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=None,
                    help="seed of the initialisation, the data order, the needles and the copy windows "
                         "(default: 0); give the same one when resuming a run")
+    p.add_argument("--topk", type=int, default=None,
+                   help="keys each query's sparse attention selects (the model's index_topk; default: the "
+                        "recipe's); give the same one when resuming a run")
     p.add_argument("--parallel", choices=("auto", "fsdp", "ddp"), default=None, help="data-parallel wrapper")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--export", type=Path, default=None,
@@ -85,6 +88,10 @@ def build_recipe(args: argparse.Namespace):
         changes["copy_forms"] = tuple(f.strip() for f in args.copy_forms.split(",") if f.strip())
     if args.seed is not None:
         changes["seed"] = args.seed
+    if args.topk is not None:
+        if args.topk < 1:
+            raise ValueError(f"--topk must be a positive number of keys, got {args.topk}")
+        changes["model"] = recipe.model.replace(index_topk=args.topk)
     recipe = dataclasses.replace(recipe, **changes)
     if args.steps_scale != 1.0:
         recipe = recipe.scaled(args.steps_scale)
