@@ -1,4 +1,4 @@
-"""`megactx demo`: what megactx does, in about a minute on a CPU.
+"""`megactx demo`: what megactx does, in about two minutes on a CPU.
 
     megactx demo                                   # the shipped megactx-tiny model
     megactx demo --needle-context 16k --max-tokens 256
@@ -44,22 +44,24 @@ if TYPE_CHECKING:
     from megactx.train.needles import NeedleCase, NeedleGenerator
 
 PROG = "megactx demo"
-DEFAULT_NEEDLE_CONTEXT = "8k"
+DEFAULT_NEEDLE_CONTEXT = "16k"
 MIN_NEEDLE_CONTEXT = 128  # room for a haystack besides the question, the needle and the answer
 DEFAULT_MAX_TOKENS = 128
 DEFAULT_SPECULATIVE_TOKENS = 7
 CPU_PREFILL_CHUNK = 512  # prefill tokens a step on a CPU: the twins' [chunk, keys] buffers stay in cache
 CUDA_PREFILL_CHUNK = 8192
-COMPLETION_PROMPT = '''import os
+COMPLETION_PROMPT = '''class Stack:
+    """A last-in, first-out stack."""
 
+    def __init__(self):
+        self._items = []
 
-def find_python_files(root):
-    """Return the paths of the .py files under root, sorted."""
+    def push(self, item):
 '''
 
 
 def add_demo_parser(sub) -> None:
-    p = sub.add_parser("demo", help="FLOPs analysis, needle retrieval at 8K tokens, code completion with MTP "
+    p = sub.add_parser("demo", help="FLOPs analysis, needle retrieval at 16K tokens, code completion with MTP "
                                     "speculative decoding (the shipped megactx-tiny model)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None,
@@ -73,8 +75,8 @@ def add_demo_parser(sub) -> None:
                         f"(k = 1024) (default {DEFAULT_NEEDLE_CONTEXT})")
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help=f"tokens of the code completion at most (default {DEFAULT_MAX_TOKENS})")
-    p.add_argument("--prompt", default=COMPLETION_PROMPT, help="the code completion's prompt (default: a Python "
-                                                               "function's signature and docstring)")
+    p.add_argument("--prompt", default=COMPLETION_PROMPT, help="the code completion's prompt (default: the start of a "
+                                                               "Python class)")
     p.add_argument("--num-speculative-tokens", type=int, default=DEFAULT_SPECULATIVE_TOKENS,
                    help=f"γ, tokens the MTP layer drafts a step (default {DEFAULT_SPECULATIVE_TOKENS}); 0 = "
                         "plain decoding only")

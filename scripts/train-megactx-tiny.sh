@@ -4,7 +4,8 @@
 #
 #   scripts/train-megactx-tiny.sh [OUT]          # default OUT=runs/tiny
 #   SCALE=0.01 scripts/train-megactx-tiny.sh runs/probe   # every step of the pipeline, ~1% of the steps
-#   SEED=1 COPY_FORMS=half TOPK=256 scripts/train-megactx-tiny.sh runs/tiny-b   # another seed / copy rows / top-k
+#   SEED=1 PATTERN=FSFSSSSS scripts/train-megactx-tiny.sh runs/tiny-b   # another seed / IndexShare pattern
+#   (also COPY_FORMS=half, TOPK=256: megactx train --copy-forms, --topk)
 #
 # Order (each line a `megactx train` call; every stage resumes its own checkpoint, so re-running
 # the script continues an interrupted run):
@@ -31,6 +32,7 @@ PY=${PYTHON:-python3}
 RECIPE=(--seed "${SEED:-0}")
 if [[ -n ${COPY_FORMS:-} ]]; then RECIPE+=(--copy-forms "$COPY_FORMS"); fi
 if [[ -n ${TOPK:-} ]]; then RECIPE+=(--topk "$TOPK"); fi
+if [[ -n ${PATTERN:-} ]]; then RECIPE+=(--pattern "$PATTERN"); fi
 LOGS="$OUT/logs"
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 mkdir -p "$LOGS"

@@ -716,3 +716,7 @@ def test_train_cli_overrides_reach_the_recipe():
     assert recipe.model.indexer_types == tiny_recipe().model.indexer_types  # the pattern is kept
     with pytest.raises(ValueError, match="--topk"):
         build_recipe(parse(["train", "--smoke", "--topk", "0"]))
+    recipe = build_recipe(parse(["train", "--recipe", "tiny", "--pattern", "FSFSSSSS"]))
+    assert recipe.model.full_layers == [0, 2] and recipe.model.index_topk == tiny_recipe().model.index_topk
+    with pytest.raises(ValueError, match="--pattern.*8 letters"):
+        build_recipe(parse(["train", "--recipe", "tiny", "--pattern", "FSS"]))

@@ -61,6 +61,10 @@ def add_train_parser(subparsers: Any) -> None:
     p.add_argument("--topk", type=int, default=None,
                    help="keys each query's sparse attention selects (the model's index_topk; default: the "
                         "recipe's); give the same one when resuming a run")
+    p.add_argument("--pattern", default=None,
+                   help="IndexShare pattern from the warmup stage on, one letter a layer: F runs its indexer, S "
+                        "reuses the top-k of the nearest F below (the model's index_topk_pattern; default: the "
+                        "recipe's, e.g. FSSSSSSF for tiny); give the same one when resuming a run")
     p.add_argument("--parallel", choices=("auto", "fsdp", "ddp"), default=None, help="data-parallel wrapper")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--export", type=Path, default=None,
@@ -88,10 +92,20 @@ def build_recipe(args: argparse.Namespace):
         changes["copy_forms"] = tuple(f.strip() for f in args.copy_forms.split(",") if f.strip())
     if args.seed is not None:
         changes["seed"] = args.seed
+    model: dict[str, Any] = {}
     if args.topk is not None:
         if args.topk < 1:
             raise ValueError(f"--topk must be a positive number of keys, got {args.topk}")
-        changes["model"] = recipe.model.replace(index_topk=args.topk)
+        model["index_topk"] = args.topk
+    if args.pattern is not None:
+        model["index_topk_pattern"] = args.pattern
+    if model:
+        from megactx.config import ConfigError
+
+        try:
+            changes["model"] = recipe.model.replace(**model)
+        except ConfigError as e:
+            raise ValueError(f"--pattern: {e}") from None
     recipe = dataclasses.replace(recipe, **changes)
     if args.steps_scale != 1.0:
         recipe = recipe.scaled(args.steps_scale)

@@ -215,7 +215,8 @@ def write_report(run: Path, out: Path) -> Path:
     specs = sorted((run / "bench").glob("spec-*.json"))
     if specs:
         spec = json.loads(specs[0].read_text())
-        md += ladder_lines(spec) + ["", f"The whole benchmark: `{specs[0].name}` beside this report's figures.", ""]
+        md += ladder_lines(spec) + ["", f"The whole benchmark (`megactx bench spec`, {specs[0].stem}): "
+                                      f"[{figures.name}/spec.md]({figures.name}/spec.md).", ""]
         md += [figure(specs[0].with_suffix(".png"), "spec.png") or "", ""]
         shutil.copyfile(specs[0].with_suffix(".md"), figures / "spec.md")
     else:
