@@ -5,7 +5,7 @@
 #   scripts/train-megactx-tiny.sh [OUT]          # default OUT=runs/tiny
 #   SCALE=0.01 scripts/train-megactx-tiny.sh runs/probe   # every step of the pipeline, ~1% of the steps
 #   SEED=1 PATTERN=FSFSSSSS scripts/train-megactx-tiny.sh runs/tiny-b   # another seed / IndexShare pattern
-#   (also COPY_FORMS=half, TOPK=256: megactx train --copy-forms, --topk)
+#   (also COPY_FORMS=half, TOPK=256, STAGE_STEPS=extend=120: megactx train --copy-forms, --topk, --stage-steps)
 #
 # Order (each line a `megactx train` call; every stage resumes its own checkpoint, so re-running
 # the script continues an interrupted run):
@@ -22,6 +22,8 @@
 #      `megactx bench spec --mtp-layers` reads for the acceptance-length ladder)
 # A 10M-parameter model leaves most of an H200 idle, so the concurrent processes cost little time;
 # expandable segments keep the processes' caching allocators from fragmenting the shared memory.
+# On a machine with more GPUs, ABLATION_DEVICES=1 runs the ablations and the MTP variants other than
+# MTP_SHIP there (their CUDA_VISIBLE_DEVICES), so the shipped model's stages have a GPU to themselves.
 set -euo pipefail
 
 OUT=${1:-runs/tiny}
@@ -33,12 +35,16 @@ RECIPE=(--seed "${SEED:-0}")
 if [[ -n ${COPY_FORMS:-} ]]; then RECIPE+=(--copy-forms "$COPY_FORMS"); fi
 if [[ -n ${TOPK:-} ]]; then RECIPE+=(--topk "$TOPK"); fi
 if [[ -n ${PATTERN:-} ]]; then RECIPE+=(--pattern "$PATTERN"); fi
+if [[ -n ${STAGE_STEPS:-} ]]; then RECIPE+=(--stage-steps "$STAGE_STEPS"); fi
 LOGS="$OUT/logs"
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 mkdir -p "$LOGS"
 
 train() { "$PY" -m megactx train --recipe tiny --out "$OUT" --steps-scale "$SCALE" "${RECIPE[@]}" --no-progress "$@"; }
 stamp() { echo "[$(date +%H:%M:%S)] $*"; }
+aside() {  # an ablation: on ABLATION_DEVICES when given
+  if [[ -n ${ABLATION_DEVICES:-} ]]; then CUDA_VISIBLE_DEVICES=$ABLATION_DEVICES train "$@"; else train "$@"; fi
+}
 
 stamp "data"
 "$PY" -m megactx.train.data "$OUT/data" --snapshot
@@ -47,9 +53,9 @@ stamp "backbone: dense"
 train --stages dense 2>&1 | tee "$LOGS/backbone.log"
 
 stamp "warmup, sparse (+ ablations: dsa, dense)"
-train --stages warmup,sparse --attention dsa > "$LOGS/sparse-dsa.log" 2>&1 &
+aside --stages warmup,sparse --attention dsa > "$LOGS/sparse-dsa.log" 2>&1 &
 dsa=$!
-train --stages sparse --attention dense > "$LOGS/sparse-dense.log" 2>&1 &
+aside --stages sparse --attention dense > "$LOGS/sparse-dense.log" 2>&1 &
 dense=$!
 train --stages warmup,sparse 2>&1 | tee "$LOGS/sparse.log"
 
@@ -63,8 +69,9 @@ declare -A MTP=([ce-noshare]="--mtp-loss ce --no-mtp-share" [ce-share]="--mtp-lo
                 [tv-share]="--mtp-loss tv --mtp-share")
 pids=()
 for variant in "${!MTP[@]}"; do
+  run=aside; [[ $variant == "$MTP_SHIP" ]] && run=train
   # shellcheck disable=SC2086
-  train --stages mtp_warmup,mtp ${MTP[$variant]} > "$LOGS/mtp-$variant.log" 2>&1 &
+  $run --stages mtp_warmup,mtp ${MTP[$variant]} > "$LOGS/mtp-$variant.log" 2>&1 &
   pids+=($!)
 done
 for pid in "${pids[@]}" "$dsa" "$dense"; do wait "$pid"; done

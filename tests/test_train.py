@@ -718,5 +718,12 @@ def test_train_cli_overrides_reach_the_recipe():
         build_recipe(parse(["train", "--smoke", "--topk", "0"]))
     recipe = build_recipe(parse(["train", "--recipe", "tiny", "--pattern", "FSFSSSSS"]))
     assert recipe.model.full_layers == [0, 2] and recipe.model.index_topk == tiny_recipe().model.index_topk
+    recipe = build_recipe(parse(["train", "--recipe", "tiny", "--steps-scale", "0.5",
+                                 "--stage-steps", "extend=120, mtp=7"]))
+    steps = {s.kind: s.train.steps for s in recipe.stages}
+    assert (steps["extend"], steps["mtp"], steps["dense"]) == (120, 7, 1500)  # named stages exact, the rest scaled
+    for bad in ("extend=0", "extnd=5", "extend"):
+        with pytest.raises(ValueError, match="--stage-steps"):
+            build_recipe(parse(["train", "--recipe", "tiny", "--stage-steps", bad]))
     with pytest.raises(ValueError, match="--pattern.*8 letters"):
         build_recipe(parse(["train", "--recipe", "tiny", "--pattern", "FSS"]))

@@ -6,6 +6,7 @@ import math
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from megactx.config import ModelConfig
 
@@ -17,9 +18,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32, scale in the input dtype (transformers' and DeepSeek's order).
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        # Normalise in fp32, scale in the input dtype (transformers' and DeepSeek's order). The
+        # normalisation is torch's fused rms_norm: one kernel on CUDA where pow/mean/add/rsqrt/mul
+        # took five, and a decode step runs ~4 norms a layer.
+        xf = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * xf.to(x.dtype)
 
 

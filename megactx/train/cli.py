@@ -36,6 +36,9 @@ def add_train_parser(subparsers: Any) -> None:
     p.add_argument("--data", choices=("synthetic", "code"), default=None, help="override the recipe's data")
     p.add_argument("--data-dir", type=Path, default=None, help="prepared corpus + tokenizer (default: <out>/data)")
     p.add_argument("--steps-scale", type=float, default=1.0, help="multiply every stage's steps (default: 1)")
+    p.add_argument("--stage-steps", default=None,
+                   help="steps of some stages, e.g. extend=120,mtp=250 (after --steps-scale; the LR schedule "
+                        "follows); give the same ones when resuming a run")
     p.add_argument("--max-steps", type=int, default=None, help="at most this many steps a stage in this run")
     p.add_argument("--time-limit", type=float, default=None, help="stop (with a checkpoint) after this many minutes")
     p.add_argument("--context", default=None,
@@ -71,6 +74,20 @@ def add_train_parser(subparsers: Any) -> None:
                    help="after the run, write the last finished stage's model (bf16, with tokenizer) here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_train)
+
+
+def stage_steps(spec: str) -> dict[str, int]:
+    """'extend=120,mtp=250' -> {'extend': 120, 'mtp': 250}, or a ValueError that names the bad part."""
+    from megactx.train.recipe import STAGE_KINDS
+
+    steps: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        kind, _, value = part.partition("=")
+        if kind.strip() not in STAGE_KINDS or not value.strip().isdigit() or int(value) < 1:
+            raise ValueError(f"--stage-steps takes STAGE=STEPS pairs with STAGE one of {', '.join(STAGE_KINDS)} "
+                             f"and STEPS >= 1, got {part!r}")
+        steps[kind.strip()] = int(value)
+    return steps
 
 
 def build_recipe(args: argparse.Namespace):
@@ -109,6 +126,11 @@ def build_recipe(args: argparse.Namespace):
     recipe = dataclasses.replace(recipe, **changes)
     if args.steps_scale != 1.0:
         recipe = recipe.scaled(args.steps_scale)
+    if args.stage_steps:
+        steps = stage_steps(args.stage_steps)
+        recipe = dataclasses.replace(recipe, stages=[
+            dataclasses.replace(s, train=dataclasses.replace(s.train, steps=steps[s.kind])) if s.kind in steps else s
+            for s in recipe.stages])
     if args.parallel:
         for stage in recipe.stages:
             stage.train = dataclasses.replace(stage.train, parallel=args.parallel)
