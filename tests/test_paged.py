@@ -13,7 +13,7 @@ import torch
 from hf_models import CASES, hf_model
 from megactx import ModelConfig, load_model
 from megactx.model import build_model
-from megactx.model.paged import PagedBatch, PagedLayerCache, alloc_caches, kernel_ops
+from megactx.model.paged import PagedBatch, PagedLayerCache, alloc_caches, copy_from_host_, kernel_ops, to_device
 from megactx.model.quant import quantize_rows
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -173,3 +173,27 @@ def test_triton_backend_bf16_within_the_error_rule():
         bf16.set_backend("triton", kv_cache_dtype="bf16", index_cache_dtype="bf16")
         triton_err = (bf16(input_ids) - want).abs().max().item()
     assert triton_err <= 2 * torch_err + 1e-2, (triton_err, torch_err)
+
+
+def test_host_copies_land_intact():
+    t = torch.arange(1000)
+    assert torch.equal(to_device(t, "cpu"), t)
+    dst = torch.zeros(1000, dtype=torch.long)
+    assert torch.equal(copy_from_host_(dst, t), t)
+
+
+@pytest.mark.gpu
+def test_host_copies_do_not_wait_for_queued_kernels():
+    """The engine's host-to-device copies are staged in pinned memory: the host goes on while the
+    GPU still runs earlier work (a pageable copy first waits for the stream to drain)."""
+    src = torch.arange(1000)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(500_000_000)  # a kernel that spins for a few hundred ms
+    out = to_device(src, "cuda")
+    dst = copy_from_host_(torch.zeros(1000, dtype=torch.long, device="cuda"), src)
+    assert not torch.cuda.current_stream().query()  # the spin is still running: nothing waited for it
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), src) and torch.equal(dst.cpu(), src)
+    torch.cuda._sleep(500_000_000)
+    src.to("cuda")  # what to_device replaces
+    assert torch.cuda.current_stream().query()  # it waited for the spin

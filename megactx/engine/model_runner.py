@@ -46,9 +46,11 @@ from megactx.model.paged import (
     PagedLayerCache,
     alloc_caches,
     cache_bytes_per_token,
+    copy_from_host_,
     host_block_table,
     kernel_ops,
     slots_of,
+    to_device,
 )
 from megactx.model.transformer import Transformer
 
@@ -148,8 +150,8 @@ class ModelRunner:
                                  [item.num_tokens for item in scheduled], self.device)
         ends = torch.tensor([item.num_tokens for item in scheduled]).cumsum(0) - 1
         rows = ends[[i for i, item in enumerate(scheduled) if item.samples]]
-        input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)[None]
-        return input_ids, batch, rows.to(self.device, non_blocking=True)
+        input_ids = to_device(torch.tensor(ids, dtype=torch.long), self.device)[None]
+        return input_ids, batch, to_device(rows, self.device)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
@@ -293,12 +295,12 @@ class StaticBatch:
         ids = torch.zeros(bsz * q, dtype=torch.long)
         ids[rows] = torch.tensor([t for seq_ids in token_ids for t in seq_ids], dtype=torch.long)
         m = bsz * q
-        self.input_ids[:m].copy_(ids, non_blocking=True)
-        self.positions[:m].copy_(pos.flatten(), non_blocking=True)
-        self.slots[:m].copy_(torch.where(real, slots_of(table, pos), -1).flatten(), non_blocking=True)
-        self.key_len[:m].copy_(torch.where(real, pos + 1, 0).flatten().int(), non_blocking=True)
+        copy_from_host_(self.input_ids[:m], ids)
+        copy_from_host_(self.positions[:m], pos.flatten())
+        copy_from_host_(self.slots[:m], torch.where(real, slots_of(table, pos), -1).flatten())
+        copy_from_host_(self.key_len[:m], torch.where(real, pos + 1, 0).flatten().int())
         # columns past the longest table keep older entries: no row reads past its key_len
-        self.block_table[:bsz, : table.shape[1]].copy_(table, non_blocking=True)
+        copy_from_host_(self.block_table[:bsz, : table.shape[1]], table)
         return rows
 
 
@@ -376,7 +378,7 @@ class StepGraphs:
         graph.replay()
         if q == 1:
             return graph.outputs[: len(tables)]
-        return graph.outputs.index_select(0, rows.to(self.runner.device, non_blocking=True))
+        return graph.outputs.index_select(0, to_device(rows, self.runner.device))
 
     def _target(self, batch: StaticBatch, bs: int, max_keys: int, logits: bool) -> Callable[[], torch.Tensor]:
         model = self.runner.model

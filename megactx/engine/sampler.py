@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from megactx.engine.sampling_params import SamplingParams
+from megactx.model.paged import to_device
 
 # Padding of token-id tensors ([B, N] with rows of different lengths).
 PAD_ID = -1
@@ -69,7 +70,7 @@ class SamplingTensors:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
 
         def tensor(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=device)
+            return to_device(torch.tensor(values, dtype=dtype), device)
 
         top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
         stops = [list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids)) for p in params]
@@ -142,8 +143,8 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
 def pad_token_ids(token_ids: Sequence[Sequence[int]], device: torch.device | str) -> torch.Tensor:
     """Rows of different lengths -> [B, max_len] int64, PAD_ID padded (at least one column)."""
     width = max(1, max((len(row) for row in token_ids), default=0))
-    return torch.tensor([list(row) + [PAD_ID] * (width - len(row)) for row in token_ids],
-                        dtype=torch.int64, device=device)
+    return to_device(torch.tensor([list(row) + [PAD_ID] * (width - len(row)) for row in token_ids],
+                                  dtype=torch.int64), device)
 
 
 def token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -62,7 +62,7 @@ from megactx.engine.scheduler import ScheduledSeq
 from megactx.engine.sequence import Sequence as Seq
 from megactx.engine.sequence import SequenceStatus
 from megactx.kernels.reference import BLOCK_SIZE
-from megactx.model.paged import PagedBatch, PagedLayerCache, host_block_table, slots_of
+from megactx.model.paged import PagedBatch, PagedLayerCache, copy_from_host_, host_block_table, slots_of, to_device
 
 if TYPE_CHECKING:
     from megactx.engine.model_runner import ModelRunner, StepGraphs
@@ -176,7 +176,7 @@ def forward_positions(runner: ModelRunner, scheduled: Sequence[ScheduledSeq],
             ids += drafts[item.seq.seq_id].tokens[: item.num_draft_tokens]
     batch = PagedBatch.build([item.seq.block_table for item in scheduled], [item.start for item in scheduled],
                              [item.num_positions for item in scheduled], runner.device)
-    input_ids = torch.tensor(ids, dtype=torch.long).to(runner.device, non_blocking=True)[None]  # [1, T]
+    input_ids = to_device(torch.tensor(ids, dtype=torch.long), runner.device)[None]  # [1, T]
     return runner.model.hidden_states(input_ids, batch.positions[None], runner.layer_caches(batch))[0]
 
 
@@ -272,8 +272,8 @@ class SpecDecoder:
             first, n = len(rows), item.num_draft_tokens + 1
             rows.extend(range(off + item.num_tokens - 1, off + item.num_tokens - 1 + n))
             padded.extend(first + min(j, n - 1) for j in range(width + 1))
-        raw = self.model.compute_logits(hidden.index_select(0, torch.tensor(rows, device=device)))  # [R, V]
-        raw = raw.index_select(0, torch.tensor(padded, device=device))  # [B (K + 1), V]
+        raw = self.model.compute_logits(hidden.index_select(0, to_device(torch.tensor(rows), device)))  # [R, V]
+        raw = raw.index_select(0, to_device(torch.tensor(padded), device))  # [B (K + 1), V]
 
         seqs = [item.seq for item, _ in chunks]
         tensors = SamplingTensors.from_params([s.sampling_params for s in seqs], device, vocab, self.eos_token_ids)
@@ -290,9 +290,9 @@ class SpecDecoder:
                                         device)
                 processed = apply_penalties(processed, tensors, prompts, outputs)
 
-        num_drafts = torch.tensor([len(d) for d in drafts], device=device)
-        draft_tokens = torch.tensor([d + [0] * (width - len(d)) for d in drafts], dtype=torch.long,
-                                    device=device).view(bsz, width)
+        num_drafts = to_device(torch.tensor([len(d) for d in drafts]), device)
+        draft_tokens = to_device(torch.tensor([d + [0] * (width - len(d)) for d in drafts], dtype=torch.long),
+                                 device).view(bsz, width)
         if tensors.all_greedy:
             result = greedy_verify(processed.argmax(dim=-1).view(bsz, width + 1), draft_tokens, num_drafts)
         else:
@@ -337,7 +337,7 @@ class SpecDecoder:
             if draft.probs is not None:
                 q[b, :k] = draft.probs[:k]
             else:
-                q[b, torch.arange(k, device=device), torch.tensor(draft.tokens[:k], device=device)] = 1.0
+                q[b, torch.arange(k, device=device), to_device(torch.tensor(draft.tokens[:k]), device)] = 1.0
         return q
 
     # -------------------------------------------------------------------------- propose
@@ -369,12 +369,13 @@ class SpecDecoder:
         batch = PagedBatch.build([s.block_table for s, _, _ in members], [start for _, start, _ in members],
                                  [n for _, _, n in members], device)
         next_tokens = [t for seq, start, n in members for t in seq.token_ids[start + 1 : start + n + 1]]
-        step1, topk = mtp_forward(runner, hidden.index_select(0, torch.tensor(rows, device=device)),
-                                  torch.tensor(next_tokens, dtype=torch.long, device=device), batch, batch.positions)
+        step1, topk = mtp_forward(runner, hidden.index_select(0, to_device(torch.tensor(rows), device)),
+                                  to_device(torch.tensor(next_tokens, dtype=torch.long), device), batch,
+                                  batch.positions)
         if plan.seqs:
             # each drafting sequence continues from its last computed position (its chunk's last row)
             ends = list(itertools.accumulate(n for _, _, n in members))
-            last = torch.tensor([ends[m] - 1 for m in plan.members], device=device)
+            last = to_device(torch.tensor([ends[m] - 1 for m in plan.members]), device)
             self._draft(plan, step1.index_select(0, last), topk.index_select(0, last))
 
     def _plan(self, members: list[tuple[Seq, int, int]], num_drafts: Mapping[int, int],
@@ -404,12 +405,12 @@ class SpecDecoder:
         probs = None if plan.greedy else torch.zeros(len(seqs), max(steps), self.vocab_size, device=device)
         for step in range(max(steps)):
             active = [b for b in range(len(seqs)) if steps[b] > step]
-            idx = torch.tensor(active, device=device)
+            idx = to_device(torch.tensor(active), device)
             if step > 0:
                 tables = [seqs[b].block_table for b in active]
                 if cfg.kv_share:  # no write, no selection: the batch only names the sequences
                     batch = PagedBatch.build(tables, [pos0[b] for b in active], [1] * len(active), device)
-                    positions = torch.tensor([pos0[b] + step for b in active], device=device)
+                    positions = to_device(torch.tensor([pos0[b] + step for b in active]), device)
                     out, _ = mtp_forward(runner, hidden.index_select(0, idx), tokens[idx, step - 1], batch, positions,
                                          topk=shared_topk.index_select(0, idx), write_kv=False)
                 else:
@@ -533,26 +534,26 @@ class DraftGraphs:
         table = host_block_table([seq.block_table for seq, _, _ in members], bs)
         filled = self.batch.fill(table, [start for _, start, _ in members],
                                  [seq.token_ids[start + 1 : start + n + 1] for seq, start, n in members])
-        self.hidden_in.index_copy_(0, filled.to(device, non_blocking=True),
-                                   hidden.index_select(0, torch.tensor(rows, device=device)))
+        self.hidden_in.index_copy_(0, to_device(filled, device),
+                                   hidden.index_select(0, to_device(torch.tensor(rows), device)))
         last = torch.arange(bs) * q
         last[: len(members)] += torch.tensor([n - 1 for _, _, n in members])
-        self.last_rows[:bs].copy_(last, non_blocking=True)
+        copy_from_host_(self.last_rows[:bs], last)
         if self.gamma > 1:
             first = torch.zeros(bs, dtype=torch.long)
             first[: len(members)] = torch.tensor(pos0)
             j = torch.arange(1, self.gamma)[:, None]
             pos = first[None] + j  # [γ - 1, bs]
-            self.positions[:, :bs].copy_(pos, non_blocking=True)
+            copy_from_host_(self.positions[:, :bs], pos)
             if not self.kv_share:
                 active = j < torch.tensor(steps + [0] * (bs - len(members)))[None]  # [γ - 1, bs]
-                self.slots[:, :bs].copy_(torch.where(active, slots_of(table, pos.T).T, -1), non_blocking=True)
-                self.key_len[:, :bs].copy_(torch.where(active, pos + 1, 0).int(), non_blocking=True)
+                copy_from_host_(self.slots[:, :bs], torch.where(active, slots_of(table, pos.T).T, -1))
+                copy_from_host_(self.key_len[:, :bs], torch.where(active, pos + 1, 0).int())
 
         if not plan.seqs:
             graphs[0].replay()
             return True
-        member_rows = torch.tensor(plan.members, device=device)
+        member_rows = to_device(torch.tensor(plan.members), device)
         if loop:
             graphs[0].replay()
             self.spec._keep(plan, self.tokens.index_select(0, member_rows), None)
@@ -562,7 +563,7 @@ class DraftGraphs:
         for step, graph in enumerate(graphs):
             graph.replay()
             active = [b for b in range(len(plan.seqs)) if plan.steps[b] > step]
-            idx = torch.tensor(active, device=device)
+            idx = to_device(torch.tensor(active), device)
             self.spec._pick(plan, step, active, idx, graph.outputs.index_select(0, member_rows[idx]), tokens, probs)
             if step + 1 < len(graphs):
                 self.tokens[member_rows[idx], step] = tokens[idx, step]  # what the next graph embeds

@@ -53,6 +53,22 @@ def kernel_ops(backend: str) -> KernelOps:
     raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
 
 
+def to_device(t: torch.Tensor, device: str | torch.device) -> torch.Tensor:
+    """A host tensor on `device` without stalling the GPU. A copy from pageable host memory first
+    synchronises the CUDA stream (CUDA's rule), so in a decode step the host would wait for every
+    queued kernel and the GPU then wait for the host. Staged in pinned memory the copy is
+    asynchronous; PyTorch's caching host allocator keeps the pinned block until the copy that reads
+    it has run, so the staging tensor may be dropped at once."""
+    if torch.device(device).type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def copy_from_host_(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """dst.copy_(src) from a host tensor, asynchronous when dst is on a GPU (see to_device)."""
+    return dst.copy_(src.pin_memory() if dst.is_cuda and src.device.type == "cpu" else src, non_blocking=True)
+
+
 def host_block_table(tables: Sequence[Sequence[int]], bsz: int) -> torch.Tensor:
     """Block tables of the first len(tables) of bsz sequences -> [bsz, width] int32 on the host,
     0-padded; width = the longest table (at least 1)."""
@@ -109,7 +125,8 @@ class PagedBatch:
         table = host_block_table(block_tables, len(block_tables))
         slots = table[seq.long(), pos // ref.BLOCK_SIZE].long() * ref.BLOCK_SIZE + pos % ref.BLOCK_SIZE
         key_len = (pos + 1).int()
-        return cls(pos.to(device), slots.to(device), seq.to(device), key_len.to(device), table.to(device), key_len)
+        return cls(to_device(pos, device), to_device(slots, device), to_device(seq, device),
+                   to_device(key_len, device), to_device(table, device), key_len)
 
     def indexer_chunk(self) -> int:
         """Query rows per indexer logits chunk under LOGITS_BUDGET_BYTES."""
