@@ -72,10 +72,9 @@ def copy_from_host_(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
 def host_block_table(tables: Sequence[Sequence[int]], bsz: int) -> torch.Tensor:
     """Block tables of the first len(tables) of bsz sequences -> [bsz, width] int32 on the host,
     0-padded; width = the longest table (at least 1)."""
-    table = torch.zeros(bsz, max(1, max((len(t) for t in tables), default=0)), dtype=torch.int32)
-    for b, t in enumerate(tables):
-        table[b, : len(t)] = torch.as_tensor(t, dtype=torch.int32)
-    return table
+    width = max(1, max((len(t) for t in tables), default=0))
+    rows = [list(t) + [0] * (width - len(t)) for t in tables] + [[0] * width] * (bsz - len(tables))
+    return torch.tensor(rows, dtype=torch.int32).view(bsz, width)  # one tensor a step, not one a sequence
 
 
 def slots_of(table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
