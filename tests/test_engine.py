@@ -177,6 +177,17 @@ def test_bad_requests_are_refused_with_reasons(model):
     assert not llm.has_unfinished()
 
 
+def test_without_max_model_len_the_context_shrinks_to_the_cache_and_a_given_one_is_kept_or_refused(model, caplog):
+    from megactx.model.paged import cache_bytes_per_token
+
+    block = cache_bytes_per_token(model.cfg, torch.float32, torch.float32) * 64
+    llm = LLM(model, device="cpu", max_num_seqs=2, cpu_cache_bytes=10 * block)  # 1024 positions need 16 blocks
+    assert llm.max_model_len == 640 and "max_model_len = 640" in caplog.text
+    assert LLM(model, device="cpu", max_num_seqs=2, cpu_cache_bytes=10 * block, max_model_len=512).max_model_len == 512
+    with pytest.raises(ValueError, match="lower max_model_len"):
+        LLM(model, device="cpu", max_num_seqs=2, cpu_cache_bytes=10 * block, max_model_len=1024)
+
+
 def test_static_batch_rows_past_each_sequence_are_padding():
     """Token i of sequence b sits in row b·q + i; every other row sees no key and writes nothing."""
     batch = StaticBatch(max_seqs=4, q=3, max_blocks=4, device=torch.device("cpu"))

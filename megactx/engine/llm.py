@@ -37,6 +37,7 @@ from megactx.engine.scheduler import Scheduler, SchedulerConfig
 from megactx.engine.sequence import Sequence as Seq
 from megactx.engine.spec_decode import DRAFT_ACCEPTANCE, MTP_MODES, SpecConfig, SpecDecoder, SpecDecodeStats
 from megactx.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from megactx.kernels.reference import BLOCK_SIZE
 from megactx.model.paged import cache_bytes_per_token, resolve_cache_dtype
 from megactx.model.transformer import Transformer
 
@@ -135,17 +136,20 @@ class LLM:
     device / dtype: default CUDA + bf16 when available, else CPU + fp32. backend: "triton" on CUDA,
     "torch" (the kernels' twins) on a CPU. kv_cache_dtype: "auto" (= dtype), "bf16", "fp8";
     index_cache_dtype: the indexer cache, "fp8" on CUDA by default (what production runs), "auto"
-    (exact) on a CPU. cuda_graphs: replay CUDA graphs for decode steps, and in a speculative
+    (exact) on a CPU. max_model_len: the longest prompt + output of a sequence (default: the model's
+    max_position_embeddings, lowered with a warning to what the KV cache holds; a given one that does
+    not fit is refused). cuda_graphs: replay CUDA graphs for decode steps, and in a speculative
     engine for the verify and draft steps of steps that only decode (CUDA with the Triton
     kernels; see megactx.engine.model_runner).
 
     num_speculative_tokens: γ, tokens the checkpoint's MTP layer drafts a step (0: no speculative
-    decoding). The default stays 0 until megactx ships a trained MTP checkpoint; 7 is the intended
-    default for checkpoints with an MTP layer. mtp_mode: "kvshare" (IndexShare + KVShare: draft
-    steps >= 2 reuse step 1's top-k and KV), "baseline" (every draft step indexes and writes its own
-    KV), "auto" (the checkpoint's index_share_for_mtp_iteration). draft_acceptance: "rejection"
-    (drafts sampled from the MTP distribution, rejection sampling) or "target-only" (greedy drafts
-    accepted with probability p(x), an ablation); greedy requests accept greedily under both.
+    decoding; `megactx serve` drafts 7 by default). It stays 0 here: on the shipped megactx-tiny,
+    speculation on an H200 is slower than plain decoding (benchmarks/results/spec-nvidia-h200.md).
+    mtp_mode: "kvshare" (IndexShare + KVShare: draft steps >= 2 reuse step 1's top-k and KV),
+    "baseline" (every draft step indexes and writes its own KV), "auto" (the checkpoint's
+    index_share_for_mtp_iteration). draft_acceptance: "rejection" (drafts sampled from the MTP
+    distribution, rejection sampling) or "target-only" (greedy drafts accepted with probability
+    p(x), an ablation); greedy requests accept greedily under both.
     """
 
     def __init__(self, model: str | Path | Transformer, *, tokenizer: str | Path | None = None,
@@ -191,7 +195,13 @@ class LLM:
             num_blocks = plan_num_blocks(self.model, kv_dtype, index_dtype, max_model_len=self.max_model_len,
                                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                          gpu_memory_utilization=gpu_memory_utilization,
-                                         cpu_cache_bytes=cpu_cache_bytes, backend=self.backend)
+                                         cpu_cache_bytes=cpu_cache_bytes, backend=self.backend,
+                                         shrink_to_fit=max_model_len is None)
+            if num_blocks * BLOCK_SIZE < self.max_model_len:  # no max_model_len given: the longest that fits
+                log.warning("megactx engine: the model's %d positions do not fit the KV cache; max_model_len = %d "
+                            "(pass max_model_len, a smaller max_num_seqs or more memory to choose)",
+                            self.max_model_len, num_blocks * BLOCK_SIZE)
+                self.max_model_len = num_blocks * BLOCK_SIZE
         self.runner = ModelRunner(self.model, CacheConfig(kv_dtype, index_dtype, num_blocks), self.backend,
                                   max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, cuda_graphs=cuda_graphs)
         self.block_manager = BlockManager(num_blocks, enable_prefix_caching=enable_prefix_caching,

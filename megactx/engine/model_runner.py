@@ -67,8 +67,9 @@ class CacheConfig:
 
 def plan_num_blocks(model: Transformer, kv_dtype: torch.dtype, index_dtype: torch.dtype, *, max_model_len: int,
                     max_num_seqs: int, max_num_batched_tokens: int, gpu_memory_utilization: float = 0.9,
-                    cpu_cache_bytes: int = 4 << 30, backend: str = "torch") -> int:
-    """How many KV blocks fit (see the module docstring). Raises if not even one sequence fits."""
+                    cpu_cache_bytes: int = 4 << 30, backend: str = "torch", shrink_to_fit: bool = False) -> int:
+    """How many KV blocks fit (see the module docstring). Raises if not even one sequence of
+    max_model_len fits, unless shrink_to_fit (the caller then lowers max_model_len to what fits)."""
     cfg = model.cfg
     per_block = cache_bytes_per_token(cfg, kv_dtype, index_dtype) * BLOCK_SIZE
     device = next(model.parameters()).device
@@ -89,7 +90,7 @@ def plan_num_blocks(model: Transformer, kv_dtype: torch.dtype, index_dtype: torc
         num_blocks = min(wanted, cpu_cache_bytes // per_block)
         where = f"the CPU cache budget of {cpu_cache_bytes / 2**30:.1f} GiB"
     need = -(-max_model_len // BLOCK_SIZE)
-    if num_blocks < need:
+    if num_blocks < need and not (shrink_to_fit and num_blocks > 0):
         raise ValueError(f"the KV cache fits {max(num_blocks, 0)} blocks of {BLOCK_SIZE} tokens in {where}, but one "
                          f"sequence of max_model_len = {max_model_len} needs {need}: lower max_model_len, use "
                          "--kv-cache-dtype fp8, or raise the memory budget")
