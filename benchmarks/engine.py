@@ -17,8 +17,8 @@ Online: `python -m megactx serve --model PATH --host 127.0.0.1 --port P [--serve
 a subprocess; after /health answers, C client threads send R streaming /v1/completions requests in
 all (token-id prompts of length P, max_tokens M, temperature 0, ignore_eos), after one untimed
 warm-up round of C requests. The server is started with the offline engine's --device,
---max-model-len (P + M) and --max-num-seqs. Figures: requests/s, output tokens/s, request latency
-and TTFT (first streamed chunk) at p50 / p99. Server overhead = 1 − online tokens/s ÷ offline
+--max-model-len (P + M), --max-num-seqs and no speculative decoding. Figures: requests/s, output
+tokens/s, request latency and TTFT (first streamed chunk) at p50 / p99. Server overhead = 1 − online tokens/s ÷ offline
 tokens/s at batch C.
 
 Targets (the issue's): megactx >= 10x transformers' output tokens/s at batch 64 on a GPU; server
@@ -371,6 +371,7 @@ class ServeProcess:
         self.command = [sys.executable, "-m", "megactx", "serve", "--model", str(model), "--host", host,
                         "--port", str(self.port), "--device", s.device, "--max-model-len",
                         str(s.prompt_len + s.output_len), "--max-num-seqs", str(max(s.concurrency, *s.batches)),
+                        "--num-speculative-tokens", "0",  # the offline engine does not speculate either
                         *s.serve_args]
         self.timeout_s = s.server_timeout_s
         self.env = dict(os.environ)

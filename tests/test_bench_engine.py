@@ -18,6 +18,7 @@ from benchmarks.engine import (
     SERVE,
     TRANSFORMERS,
     RunFigures,
+    ServeProcess,
     Settings,
     client_round,
     completion_bodies,
@@ -189,6 +190,15 @@ def test_online_run_through_megactx_serve(ckpt):
     assert (f.engine, f.batch, f.requests) == (SERVE, 2, 4)
     assert f.output_tokens == 4 * 4 and f.detail["tokens_counted_from"] == "usage"
     assert f.ttft_s["n"] == 4 and f.ttft_s["p99"] <= f.latency_s["p99"] <= f.wall_s
+
+
+def test_the_server_runs_the_offline_engines_configuration(tmp_path):
+    """Online and offline must differ only by the HTTP layer: the same context, batch room, and no
+    speculative decoding (serve drafts γ = 7 by default for a checkpoint with an MTP layer)."""
+    s = Settings("cpu", [1, 16], prompt_len=32, output_len=16, concurrency=16, requests=32, serve_args=["--x=1"])
+    cmd = ServeProcess(tmp_path, s).command
+    i = cmd.index("--num-speculative-tokens")
+    assert cmd[i + 1] == "0" and cmd[cmd.index("--max-model-len") + 1] == "48" and cmd[-1] == "--x=1"
 
 
 def test_a_server_that_cannot_start_is_reported_with_its_output(tmp_path):
