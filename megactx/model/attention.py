@@ -214,7 +214,7 @@ class MLA(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                 topk: torch.Tensor | None = None, cache: LayerCache | None = None,
                 write_kv: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [B, S, D]; cos/sin: [B or 1, S, dr/2]; positions: [B or 1, S] absolute.
+        """x: [B, S, D]; cos/sin: [B or 1, S, dr] (Rotary); positions: [B or 1, S] absolute.
 
         topk: [B, S, K] key indices from this layer's full layer (required on shared layers;
         on full layers, given -> reused instead of running the indexer). cache: keys before x
@@ -255,7 +255,7 @@ class MLA(nn.Module):
 
     def forward_paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, topk: torch.Tensor | None,
                       cache: PagedLayerCache, write_kv: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """The paged form: x [1, T, D] is the batch's T tokens flattened (cos/sin [1, T, dr/2] at
+        """The paged form: x [1, T, D] is the batch's T tokens flattened (cos/sin [1, T, dr] at
         their positions); cache.batch says where each token sits. Writes the tokens' KV (and
         indexer keys on full layers) unless write_kv is False, selects top-k physical slots with
         the indexer unless `topk` [T, K] is given (shared layers, KVShare steps), and attends in the

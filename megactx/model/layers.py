@@ -72,26 +72,30 @@ class Rotary:
         self._on_device: dict[torch.device, torch.Tensor] = {}  # no host-to-device copy a call (CUDA graphs)
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [..., S] int -> cos, sin: [..., S, rope_dim / 2] in `dtype`
+        """positions: [..., S] int -> cos, sin: [..., S, rope_dim] in `dtype`, laid out for apply_rope:
+        [cos | cos] and [-sin | sin] (built once a forward, for every layer)."""
         inv_freq = self._on_device.get(positions.device)
         if inv_freq is None:
             inv_freq = self._on_device[positions.device] = self.inv_freq.to(positions.device)
         freqs = positions[..., None].float() * inv_freq
-        return (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
+        cos, sin = freqs.cos() * self.scale, freqs.sin() * self.scale
+        return torch.cat([cos, cos], dim=-1).to(dtype), torch.cat([-sin, sin], dim=-1).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
-    """Rotate the rope dims of x: [B, S, (H,) D] with cos/sin [B or 1, S, D/2].
+    """Rotate the rope dims of x: [B, S, (H,) D] with cos/sin [B or 1, S, D] from `Rotary`.
 
     interleave=True pairs dims (0, 1), (2, 3), ... (GLM, DeepSeek MLA); False pairs (i, i + D/2)
     (DeepSeek-V3.2's indexer). Either way the result comes out half-split: [rotated firsts |
     rotated seconds]. Queries and keys go through the same function, so dot products are those of
     the rotation in the checkpoint's own layout.
+
+    [x1 | x2] · [cos | cos] + [x2 | x1] · [-sin | sin] = [x1 cos - x2 sin | x2 cos + x1 sin], the
+    same roundings as those two expressions, in four or five kernels where they took seven.
     """
     if x.dim() == 4:  # a head axis between S and D
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    if interleave:
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-    else:
-        x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    x12 = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1) if interleave else x  # [x1 | x2]
+    half = x.shape[-1] // 2
+    x21 = torch.cat([x12[..., half:], x12[..., :half]], dim=-1)  # [x2 | x1]
+    return x12 * cos + x21 * sin
