@@ -94,6 +94,12 @@ def test_every_expert_on_every_token_equals_the_routed_loop():
         results.append((out.detach(), experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone()))
     for routed, dense in zip(*results):
         torch.testing.assert_close(dense, routed, rtol=1e-4, atol=1e-4 * routed.abs().max().item())  # summation order
+    many = Experts(cfg.replace(n_routed_experts=20, num_experts_per_tok=4))  # 3 groups of at most EXPERT_GROUP
+    torch.nn.init.normal_(many.gate_up_proj, std=0.05)
+    torch.nn.init.normal_(many.down_proj, std=0.05)
+    weights, ids = Router(cfg.replace(n_routed_experts=20, num_experts_per_tok=4))(x)
+    routed, dense = many(x, weights, ids), many._forward_dense(x, weights, ids)
+    torch.testing.assert_close(dense, routed, rtol=1e-4, atol=1e-4 * routed.abs().max().item())
 
 
 def test_group_limited_routing_never_leaves_the_chosen_groups():

@@ -56,6 +56,7 @@ class Router(nn.Module):
 
 
 DENSE_EXPERTS_MAX_RATIO = 4  # on CUDA, every expert on every token while E <= this × top_k
+EXPERT_GROUP = 8  # experts side by side in one GEMM of the every-expert form
 
 
 class Experts(nn.Module):
@@ -91,17 +92,22 @@ class Experts(nn.Module):
         return out
 
     def _forward_dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Every expert on every token in two GEMMs over the experts side by side (a handful of
+        """Every expert on every token, EXPERT_GROUP experts side by side in two GEMMs (a handful of
         kernels, where a loop over the experts launched ~7 an expert: most of a graphed decode
         step's kernels). Σ_e w[n, e] · down_e(a[n, e]) = [w[n, e] · a[n, e]]_e @ [down_e]_e."""
         E, two_i, D = self.gate_up_proj.shape
         I = two_i // 2
         dense = torch.zeros(x.shape[0], E, dtype=torch.float32, device=x.device)
         dense.scatter_(1, ids, weights.float())  # [N, E] routing weight, 0 where not routed
-        h = F.linear(x, self.gate_up_proj.reshape(E * two_i, D)).view(-1, E, two_i)  # [N, E, 2I]: gate | up
-        a = F.silu(h[..., :I]) * h[..., I:]  # [N, E, I]
-        a = (a * dense[..., None]).to(x.dtype).reshape(-1, E * I)  # [N, E·I], weighted
-        return F.linear(a, self.down_proj.permute(1, 0, 2).reshape(D, E * I))  # [N, D]
+        out = None
+        for e0 in range(0, E, EXPERT_GROUP):  # groups bound the [N, G·2I] activations of many-expert models
+            g = min(EXPERT_GROUP, E - e0)
+            h = F.linear(x, self.gate_up_proj[e0 : e0 + g].reshape(g * two_i, D)).view(-1, g, two_i)  # gate | up
+            a = F.silu(h[..., :I]) * h[..., I:]  # [N, G, I]
+            a = (a * dense[:, e0 : e0 + g, None]).to(x.dtype).reshape(-1, g * I)  # weighted
+            y = F.linear(a, self.down_proj[e0 : e0 + g].permute(1, 0, 2).reshape(D, g * I))  # [N, D]
+            out = y if out is None else out + y
+        return out
 
 
 class MoE(nn.Module):
