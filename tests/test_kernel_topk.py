@@ -272,3 +272,18 @@ def test_fused_plan_small_k_many_rows_cuda(k):
         got = logits.gather(1, out.clamp(min=0).long()).masked_fill(out < 0, float("-inf"))
         want = logits.topk(k, dim=-1).values
         assert torch.equal(got.sort(1, descending=True).values, want.sort(1, descending=True).values)
+
+
+@pytest.mark.parametrize("levels", [3, 50, None])  # integer logits of few or many levels (ties), or Gaussian
+def test_the_twin_selects_what_the_kernel_documents(levels):
+    """reference.topk_rows (the CPU engine's path and the kernel's twin) picks two top-k passes'
+    worth, not a row sort: the same keys, ties at the threshold to the lowest positions."""
+    from megactx.kernels import reference as ref
+
+    gen = torch.Generator().manual_seed(levels or 0)
+    for T, L, k in ((9, 300, 64), (5, 40, 100), (3, 128, 128), (4, 70, 0)):
+        x = (torch.randn(T, L, generator=gen) if levels is None
+             else torch.randint(0, levels, (T, L), generator=gen).float())
+        x[torch.rand(T, L, generator=gen) < 0.2] = float("-inf")
+        key_len = _key_len(T, L, gen, k)
+        _check(x, k, key_len, ref.topk_rows(x, k, key_len))

@@ -152,13 +152,16 @@ def indexer_logits(q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor, 
     Σ_h w[t, h] · ReLU(q[t, h] · k[s]) · k_scale[s] for s < key_len[t], -inf beyond."""
     T, HI, DI = q.shape
     pos = torch.arange(max_keys, device=q.device)
-    blocks = block_table[seq_idx.long()].long()  # [T, max_blocks]
-    slots = blocks.gather(1, (pos // BLOCK_SIZE).clamp_max(blocks.shape[1] - 1)[None].expand(T, -1)) * BLOCK_SIZE
-    slots = slots + pos % BLOCK_SIZE  # [T, max_keys]
-    visible = pos[None] < key_len[:, None]
-    k, k_scale = read_index_k(index_cache, slots.masked_fill(~visible, 0), DI)  # [T, L, DI], [T, L]
-    dots = torch.einsum("thd,tld->thl", q.float(), k).relu()  # [T, HI, L]
-    logits = torch.einsum("th,thl->tl", w.float(), dots) * k_scale
+    visible = pos[None] < key_len[:, None]  # [T, L]
+    logits = torch.zeros(T, max_keys, dtype=torch.float32, device=q.device)
+    for b in seq_idx.unique().tolist():  # the keys of each sequence once, for all of its query rows
+        rows = (seq_idx == b).nonzero().squeeze(1)
+        table = block_table[b].long()
+        slots = table[(pos // BLOCK_SIZE).clamp_max(table.shape[0] - 1)] * BLOCK_SIZE + pos % BLOCK_SIZE  # [L]
+        seen = pos < key_len[rows].max()  # beyond every row's range: slot 0, masked below
+        k, k_scale = read_index_k(index_cache, slots.masked_fill(~seen, 0), DI)  # [L, DI], [L]
+        dots = torch.einsum("thd,ld->thl", q[rows].float(), k).relu()  # [rows, HI, L]
+        logits[rows] = torch.einsum("th,thl->tl", w[rows].float(), dots) * k_scale
     return logits.masked_fill(~visible, float("-inf"))
 
 
@@ -198,9 +201,18 @@ def topk_rows(logits: torch.Tensor, k: int, key_len: torch.Tensor | None = None)
         logits = logits.masked_fill(cols >= key_len[:, None], float("-inf"))
     if k > logits.shape[-1]:
         logits = torch.nn.functional.pad(logits, (0, k - logits.shape[-1]), value=float("-inf"))
-    values, idx = logits.sort(dim=-1, descending=True, stable=True)  # ties: lowest position, as the kernel
-    values, idx = values[..., :k], idx[..., :k]
-    return idx.masked_fill(values == float("-inf"), -1).int()
+    if k == 0:
+        return torch.zeros(logits.shape[0], 0, dtype=torch.int32, device=logits.device)
+    # every key above the k-th largest value, then the lowest positions among those equal to it (ties
+    # go to the lowest position, as the kernel): two top-k passes, where a full row sort cost more
+    kth = logits.topk(k, dim=-1).values[:, -1:]  # [T, 1]
+    above = logits > kth
+    ties = logits == kth
+    chosen = above | (ties & (ties.cumsum(-1) <= k - above.sum(-1, keepdim=True)))  # k a row
+    cols = torch.arange(logits.shape[-1], device=logits.device)
+    key = torch.where(chosen, -cols, -logits.shape[-1])  # the chosen rank first, lowest position first
+    pos = key.topk(k, dim=-1).values.neg()  # [T, k] the chosen positions, ascending
+    return pos.masked_fill(logits.gather(1, pos) == float("-inf"), -1).int()
 
 
 def chunked_topk(logits_fn, topk_fn, q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor,
