@@ -76,7 +76,6 @@ class IncrementalDetokenizer:
         self.ids = list(prompt_ids[-self.CONTEXT:])
         self.prefix_offset = 0  # ids[prefix_offset:read_offset] were decoded before
         self.read_offset = len(self.ids)
-        self.text = ""
 
     def add(self, token_ids: list[int]) -> str:
         """Append generated ids; return the new text (possibly empty while a character is incomplete)."""
@@ -87,7 +86,6 @@ class IncrementalDetokenizer:
             return ""  # wait for the rest of the character
         delta = after[len(before) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        self.text += delta
         return delta
 
     def flush(self) -> str:
@@ -95,6 +93,4 @@ class IncrementalDetokenizer:
         before = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
         after = self.tokenizer.decode(self.ids[self.prefix_offset :])
         self.prefix_offset = self.read_offset = len(self.ids)
-        delta = after[len(before) :]
-        self.text += delta
-        return delta
+        return after[len(before) :]
