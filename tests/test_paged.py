@@ -187,10 +187,13 @@ def test_host_copies_do_not_wait_for_queued_kernels():
     """The engine's host-to-device copies are staged in pinned memory: the host goes on while the
     GPU still runs earlier work (a pageable copy first waits for the stream to drain)."""
     src = torch.arange(1000)
+    dst = torch.zeros(1000, dtype=torch.long, device="cuda")
+    to_device(src, "cuda")  # warm the pinned-memory cache: allocating pinned memory may sync
+    copy_from_host_(dst, src)
     torch.cuda.synchronize()
     torch.cuda._sleep(500_000_000)  # a kernel that spins for a few hundred ms
     out = to_device(src, "cuda")
-    dst = copy_from_host_(torch.zeros(1000, dtype=torch.long, device="cuda"), src)
+    dst = copy_from_host_(dst.zero_(), src)
     assert not torch.cuda.current_stream().query()  # the spin is still running: nothing waited for it
     torch.cuda.synchronize()
     assert torch.equal(out.cpu(), src) and torch.equal(dst.cpu(), src)
