@@ -8,6 +8,7 @@ from megactx.engine.sampler import (
     Sampler,
     SamplingBatch,
     SamplingTensors,
+    SamplingTensorsCache,
     apply_penalties,
     make_generator,
     pad_token_ids,
@@ -337,3 +338,15 @@ def test_cuda_seeded_rows_are_batch_invariant_and_distributions_match_cpu():
     probs = torch.tensor([0.1, 0.2, 0.3, 0.15, 0.25], device="cuda")
     drawn = sample(probs.expand(20_000, 5).contiguous(), shared_generator=make_generator(7, "cuda"))
     assert chi_square(drawn.cpu(), probs.cpu()) < CHI2_4_DOF_P001
+
+
+def test_sampling_tensors_are_rebuilt_only_when_the_batch_changes():
+    greedy, hot = SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=5)
+    cache = SamplingTensorsCache()
+    first = cache.get([3, 4], [greedy, hot], "cpu", 32)
+    assert cache.get([3, 4], [greedy, hot], "cpu", 32) is first  # the same sequences: no rebuild
+    swapped = cache.get([4, 3], [hot, greedy], "cpu", 32)  # same sequences, another order: rebuilt
+    assert swapped is not first and swapped.temperature.tolist() == pytest.approx([0.7, 0.0])
+    fresh = SamplingTensors.from_params([hot], "cpu", 32)
+    got = cache.get([4], [hot], "cpu", 32)
+    assert torch.equal(got.temperature, fresh.temperature) and torch.equal(got.top_k, fresh.top_k)

@@ -31,7 +31,7 @@ import torch
 
 from megactx.engine.block_manager import BlockManager
 from megactx.engine.model_runner import CacheConfig, ModelRunner, plan_num_blocks
-from megactx.engine.sampler import Sampler, SamplingBatch, SamplingTensors, make_generator, pad_token_ids
+from megactx.engine.sampler import Sampler, SamplingBatch, SamplingTensorsCache, make_generator, pad_token_ids
 from megactx.engine.sampling_params import SamplingParams, check_stop
 from megactx.engine.scheduler import Scheduler, SchedulerConfig
 from megactx.engine.sequence import Sequence as Seq
@@ -218,6 +218,7 @@ class LLM:
         self._seqs: dict[int, tuple[_Request, int]] = {}  # seq_id -> (request, completion index)
         self._generators: dict[int, torch.Generator] = {}
         self._ids = itertools.count()
+        self._sampling = SamplingTensorsCache()
         self.stats = EngineStats()
         self.spec: SpecDecoder | None = None
         if spec is not None:
@@ -314,8 +315,8 @@ class LLM:
         if not seqs:  # only prefill chunks that end mid-prompt
             self.scheduler.postprocess(out, {})
             return []
-        params = [seq.sampling_params for seq in seqs]
-        tensors = SamplingTensors.from_params(params, self.device, self.cfg.vocab_size, self.eos_token_ids)
+        tensors = self._sampling.get([seq.seq_id for seq in seqs], [seq.sampling_params for seq in seqs],
+                                     self.device, self.cfg.vocab_size, self.eos_token_ids)
         batch = SamplingBatch(tensors, generators=[self._generators.get(seq.seq_id) for seq in seqs])
         if tensors.any_penalties or tensors.any_min_tokens:
             batch.prompt_token_ids = pad_token_ids([s.token_ids[: s.num_prompt_tokens] for s in seqs], self.device)

@@ -106,6 +106,24 @@ class SamplingTensors:
         return replace(self, **gathered)
 
 
+class SamplingTensorsCache:
+    """The SamplingTensors of the last batch of sequences, rebuilt only when the batch changes: a
+    decode step mostly samples for the sequences of the one before, and building them costs host
+    time and a host-to-device copy a field. A sequence's parameters are fixed once it is added."""
+
+    def __init__(self):
+        self._key: tuple[int, ...] | None = None
+        self._tensors: SamplingTensors | None = None
+
+    def get(self, seq_ids: Sequence[int], params: Sequence[SamplingParams], device: torch.device | str,
+            vocab_size: int, eos_token_ids: Sequence[int] = ()) -> SamplingTensors:
+        key = tuple(seq_ids)
+        if key != self._key or self._tensors is None:
+            self._tensors = SamplingTensors.from_params(params, device, vocab_size, eos_token_ids)
+            self._key = key
+        return self._tensors
+
+
 @dataclass
 class SamplingBatch:
     """What the sampler needs about one step's rows besides the logits.

@@ -51,6 +51,7 @@ from megactx.config import ModelConfig
 from megactx.engine.rejection_sampler import draw_uniforms, greedy_verify, rejection_sample
 from megactx.engine.sampler import (
     SamplingTensors,
+    SamplingTensorsCache,
     apply_penalties,
     compute_logprobs,
     mask_stop_tokens_before_min,
@@ -229,6 +230,7 @@ class SpecDecoder:
         self.drafts: dict[int, Draft] = {}  # seq_id -> drafts for its next verify
         self.stats = SpecDecodeStats(config.num_speculative_tokens)
         self._graphs: DraftGraphs | None = None
+        self._verify_sampling, self._draft_sampling = SamplingTensorsCache(), SamplingTensorsCache()
 
     def draft_lengths(self) -> dict[int, int]:
         """seq_id -> draft tokens held (what Scheduler.schedule takes)."""
@@ -276,7 +278,8 @@ class SpecDecoder:
         raw = raw.index_select(0, to_device(torch.tensor(padded), device))  # [B (K + 1), V]
 
         seqs = [item.seq for item, _ in chunks]
-        tensors = SamplingTensors.from_params([s.sampling_params for s in seqs], device, vocab, self.eos_token_ids)
+        tensors = self._verify_sampling.get([s.seq_id for s in seqs], [s.sampling_params for s in seqs], device, vocab,
+                                            self.eos_token_ids)
         tensors = tensors.select(torch.arange(bsz, device=device).repeat_interleave(width + 1))
         processed = raw
         if tensors.any_min_tokens or tensors.any_penalties:
@@ -390,8 +393,8 @@ class SpecDecoder:
             steps = [min(k, s.num_blocks * BLOCK_SIZE - s.num_computed_tokens + 1) for k, s in zip(steps, seqs)]
         if not seqs:
             return _DraftPlan([], [], [], True, None, [])
-        tensors = SamplingTensors.from_params([s.sampling_params for s in seqs], self.runner.device, self.vocab_size,
-                                              self.eos_token_ids)
+        tensors = self._draft_sampling.get([s.seq_id for s in seqs], [s.sampling_params for s in seqs],
+                                           self.runner.device, self.vocab_size, self.eos_token_ids)
         greedy = self.config.acceptance == "target-only" or tensors.all_greedy
         return _DraftPlan(which, seqs, steps, greedy, tensors, [generators.get(s.seq_id) for s in seqs])
 
