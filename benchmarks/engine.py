@@ -18,8 +18,8 @@ a subprocess; after /health answers, C client threads send R streaming /v1/compl
 all (token-id prompts of length P, max_tokens M, temperature 0, ignore_eos), after one untimed
 warm-up round of C requests. The server is started with the offline engine's --device,
 --max-model-len (P + M), --max-num-seqs and no speculative decoding. Figures: requests/s, output
-tokens/s, request latency and TTFT (first streamed chunk) at p50 / p99. Server overhead = 1 − online tokens/s ÷ offline
-tokens/s at batch C.
+tokens/s, request latency and TTFT (first streamed chunk) at p50 / p99. Server overhead = 1 −
+online tokens/s ÷ offline tokens/s at batch C.
 
 Targets (the issue's): megactx >= 10x transformers' output tokens/s at batch 64 on a GPU; server
 overhead <= 10%.

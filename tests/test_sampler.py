@@ -341,12 +341,15 @@ def test_cuda_seeded_rows_are_batch_invariant_and_distributions_match_cpu():
 
 
 def test_sampling_tensors_are_rebuilt_only_when_the_batch_changes():
+    from types import SimpleNamespace
+
     greedy, hot = SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=5)
+    seq3, seq4 = SimpleNamespace(seq_id=3, sampling_params=greedy), SimpleNamespace(seq_id=4, sampling_params=hot)
     cache = SamplingTensorsCache()
-    first = cache.get([3, 4], [greedy, hot], "cpu", 32)
-    assert cache.get([3, 4], [greedy, hot], "cpu", 32) is first  # the same sequences: no rebuild
-    swapped = cache.get([4, 3], [hot, greedy], "cpu", 32)  # same sequences, another order: rebuilt
+    first = cache.get([seq3, seq4], "cpu", 32)
+    assert cache.get([seq3, seq4], "cpu", 32) is first  # the same sequences: no rebuild
+    swapped = cache.get([seq4, seq3], "cpu", 32)  # same sequences, another order: rebuilt
     assert swapped is not first and swapped.temperature.tolist() == pytest.approx([0.7, 0.0])
     fresh = SamplingTensors.from_params([hot], "cpu", 32)
-    got = cache.get([4], [hot], "cpu", 32)
+    got = cache.get([seq4], "cpu", 32)
     assert torch.equal(got.temperature, fresh.temperature) and torch.equal(got.top_k, fresh.top_k)

@@ -315,8 +315,7 @@ class LLM:
         if not seqs:  # only prefill chunks that end mid-prompt
             self.scheduler.postprocess(out, {})
             return []
-        tensors = self._sampling.get([seq.seq_id for seq in seqs], [seq.sampling_params for seq in seqs],
-                                     self.device, self.cfg.vocab_size, self.eos_token_ids)
+        tensors = self._sampling.get(seqs, self.device, self.cfg.vocab_size, self.eos_token_ids)
         batch = SamplingBatch(tensors, generators=[self._generators.get(seq.seq_id) for seq in seqs])
         if tensors.any_penalties or tensors.any_min_tokens:
             batch.prompt_token_ids = pad_token_ids([s.token_ids[: s.num_prompt_tokens] for s in seqs], self.device)

@@ -151,7 +151,7 @@ class ModelRunner:
                                  [item.num_tokens for item in scheduled], self.device)
         ends = torch.tensor([item.num_tokens for item in scheduled]).cumsum(0) - 1
         rows = ends[[i for i, item in enumerate(scheduled) if item.samples]]
-        input_ids = to_device(torch.tensor(ids, dtype=torch.long), self.device)[None]
+        input_ids = to_device(ids, self.device, torch.long)[None]
         return input_ids, batch, to_device(rows, self.device)
 
     @torch.inference_mode()

@@ -19,12 +19,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from megactx.engine.sampling_params import SamplingParams
 from megactx.model.paged import to_device
+
+if TYPE_CHECKING:
+    from megactx.engine.sequence import Sequence as Seq
 
 # Padding of token-id tensors ([B, N] with rows of different lengths).
 PAD_ID = -1
@@ -70,7 +74,7 @@ class SamplingTensors:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
 
         def tensor(values, dtype):
-            return to_device(torch.tensor(values, dtype=dtype), device)
+            return to_device(values, device, dtype)
 
         top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
         stops = [list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids)) for p in params]
@@ -115,11 +119,13 @@ class SamplingTensorsCache:
         self._key: tuple[int, ...] | None = None
         self._tensors: SamplingTensors | None = None
 
-    def get(self, seq_ids: Sequence[int], params: Sequence[SamplingParams], device: torch.device | str,
-            vocab_size: int, eos_token_ids: Sequence[int] = ()) -> SamplingTensors:
-        key = tuple(seq_ids)
-        if key != self._key or self._tensors is None:
-            self._tensors = SamplingTensors.from_params(params, device, vocab_size, eos_token_ids)
+    def get(self, seqs: Sequence[Seq], device: torch.device | str, vocab_size: int,
+            eos_token_ids: Sequence[int] = ()) -> SamplingTensors:
+        """The tensors of `seqs` (each with seq_id and sampling_params), in their order."""
+        key = tuple(s.seq_id for s in seqs)
+        if key != self._key:
+            self._tensors = SamplingTensors.from_params([s.sampling_params for s in seqs], device, vocab_size,
+                                                        eos_token_ids)
             self._key = key
         return self._tensors
 
@@ -161,8 +167,7 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
 def pad_token_ids(token_ids: Sequence[Sequence[int]], device: torch.device | str) -> torch.Tensor:
     """Rows of different lengths -> [B, max_len] int64, PAD_ID padded (at least one column)."""
     width = max(1, max((len(row) for row in token_ids), default=0))
-    return to_device(torch.tensor([list(row) + [PAD_ID] * (width - len(row)) for row in token_ids],
-                                  dtype=torch.int64), device)
+    return to_device([list(row) + [PAD_ID] * (width - len(row)) for row in token_ids], device, torch.int64)
 
 
 def token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:

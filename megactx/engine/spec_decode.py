@@ -177,7 +177,7 @@ def forward_positions(runner: ModelRunner, scheduled: Sequence[ScheduledSeq],
             ids += drafts[item.seq.seq_id].tokens[: item.num_draft_tokens]
     batch = PagedBatch.build([item.seq.block_table for item in scheduled], [item.start for item in scheduled],
                              [item.num_positions for item in scheduled], runner.device)
-    input_ids = to_device(torch.tensor(ids, dtype=torch.long), runner.device)[None]  # [1, T]
+    input_ids = to_device(ids, runner.device, torch.long)[None]  # [1, T]
     return runner.model.hidden_states(input_ids, batch.positions[None], runner.layer_caches(batch))[0]
 
 
@@ -274,12 +274,11 @@ class SpecDecoder:
             first, n = len(rows), item.num_draft_tokens + 1
             rows.extend(range(off + item.num_tokens - 1, off + item.num_tokens - 1 + n))
             padded.extend(first + min(j, n - 1) for j in range(width + 1))
-        raw = self.model.compute_logits(hidden.index_select(0, to_device(torch.tensor(rows), device)))  # [R, V]
-        raw = raw.index_select(0, to_device(torch.tensor(padded), device))  # [B (K + 1), V]
+        raw = self.model.compute_logits(hidden.index_select(0, to_device(rows, device)))  # [R, V]
+        raw = raw.index_select(0, to_device(padded, device))  # [B (K + 1), V]
 
         seqs = [item.seq for item, _ in chunks]
-        tensors = self._verify_sampling.get([s.seq_id for s in seqs], [s.sampling_params for s in seqs], device, vocab,
-                                            self.eos_token_ids)
+        tensors = self._verify_sampling.get(seqs, device, vocab, self.eos_token_ids)
         tensors = tensors.select(torch.arange(bsz, device=device).repeat_interleave(width + 1))
         processed = raw
         if tensors.any_min_tokens or tensors.any_penalties:
@@ -293,9 +292,8 @@ class SpecDecoder:
                                         device)
                 processed = apply_penalties(processed, tensors, prompts, outputs)
 
-        num_drafts = to_device(torch.tensor([len(d) for d in drafts]), device)
-        draft_tokens = to_device(torch.tensor([d + [0] * (width - len(d)) for d in drafts], dtype=torch.long),
-                                 device).view(bsz, width)
+        num_drafts = to_device([len(d) for d in drafts], device)
+        draft_tokens = to_device([d + [0] * (width - len(d)) for d in drafts], device, torch.long).view(bsz, width)
         if tensors.all_greedy:
             result = greedy_verify(processed.argmax(dim=-1).view(bsz, width + 1), draft_tokens, num_drafts)
         else:
@@ -340,7 +338,7 @@ class SpecDecoder:
             if draft.probs is not None:
                 q[b, :k] = draft.probs[:k]
             else:
-                q[b, torch.arange(k, device=device), to_device(torch.tensor(draft.tokens[:k]), device)] = 1.0
+                q[b, torch.arange(k, device=device), to_device(draft.tokens[:k], device)] = 1.0
         return q
 
     # -------------------------------------------------------------------------- propose
@@ -372,13 +370,12 @@ class SpecDecoder:
         batch = PagedBatch.build([s.block_table for s, _, _ in members], [start for _, start, _ in members],
                                  [n for _, _, n in members], device)
         next_tokens = [t for seq, start, n in members for t in seq.token_ids[start + 1 : start + n + 1]]
-        step1, topk = mtp_forward(runner, hidden.index_select(0, to_device(torch.tensor(rows), device)),
-                                  to_device(torch.tensor(next_tokens, dtype=torch.long), device), batch,
-                                  batch.positions)
+        step1, topk = mtp_forward(runner, hidden.index_select(0, to_device(rows, device)),
+                                  to_device(next_tokens, device, torch.long), batch, batch.positions)
         if plan.seqs:
             # each drafting sequence continues from its last computed position (its chunk's last row)
             ends = list(itertools.accumulate(n for _, _, n in members))
-            last = to_device(torch.tensor([ends[m] - 1 for m in plan.members]), device)
+            last = to_device([ends[m] - 1 for m in plan.members], device)
             self._draft(plan, step1.index_select(0, last), topk.index_select(0, last))
 
     def _plan(self, members: list[tuple[Seq, int, int]], num_drafts: Mapping[int, int],
@@ -393,8 +390,7 @@ class SpecDecoder:
             steps = [min(k, s.num_blocks * BLOCK_SIZE - s.num_computed_tokens + 1) for k, s in zip(steps, seqs)]
         if not seqs:
             return _DraftPlan([], [], [], True, None, [])
-        tensors = self._draft_sampling.get([s.seq_id for s in seqs], [s.sampling_params for s in seqs],
-                                           self.runner.device, self.vocab_size, self.eos_token_ids)
+        tensors = self._draft_sampling.get(seqs, self.runner.device, self.vocab_size, self.eos_token_ids)
         greedy = self.config.acceptance == "target-only" or tensors.all_greedy
         return _DraftPlan(which, seqs, steps, greedy, tensors, [generators.get(s.seq_id) for s in seqs])
 
@@ -408,12 +404,12 @@ class SpecDecoder:
         probs = None if plan.greedy else torch.zeros(len(seqs), max(steps), self.vocab_size, device=device)
         for step in range(max(steps)):
             active = [b for b in range(len(seqs)) if steps[b] > step]
-            idx = to_device(torch.tensor(active), device)
+            idx = to_device(active, device)
             if step > 0:
                 tables = [seqs[b].block_table for b in active]
                 if cfg.kv_share:  # no write, no selection: the batch only names the sequences
                     batch = PagedBatch.build(tables, [pos0[b] for b in active], [1] * len(active), device)
-                    positions = to_device(torch.tensor([pos0[b] + step for b in active]), device)
+                    positions = to_device([pos0[b] + step for b in active], device)
                     out, _ = mtp_forward(runner, hidden.index_select(0, idx), tokens[idx, step - 1], batch, positions,
                                          topk=shared_topk.index_select(0, idx), write_kv=False)
                 else:
@@ -538,7 +534,7 @@ class DraftGraphs:
         filled = self.batch.fill(table, [start for _, start, _ in members],
                                  [seq.token_ids[start + 1 : start + n + 1] for seq, start, n in members])
         self.hidden_in.index_copy_(0, to_device(filled, device),
-                                   hidden.index_select(0, to_device(torch.tensor(rows), device)))
+                                   hidden.index_select(0, to_device(rows, device)))
         last = torch.arange(bs) * q
         last[: len(members)] += torch.tensor([n - 1 for _, _, n in members])
         copy_from_host_(self.last_rows[:bs], last)
@@ -556,7 +552,7 @@ class DraftGraphs:
         if not plan.seqs:
             graphs[0].replay()
             return True
-        member_rows = to_device(torch.tensor(plan.members), device)
+        member_rows = to_device(plan.members, device)
         if loop:
             graphs[0].replay()
             self.spec._keep(plan, self.tokens.index_select(0, member_rows), None)
@@ -566,7 +562,7 @@ class DraftGraphs:
         for step, graph in enumerate(graphs):
             graph.replay()
             active = [b for b in range(len(plan.seqs)) if plan.steps[b] > step]
-            idx = to_device(torch.tensor(active), device)
+            idx = to_device(active, device)
             self.spec._pick(plan, step, active, idx, graph.outputs.index_select(0, member_rows[idx]), tokens, probs)
             if step + 1 < len(graphs):
                 self.tokens[member_rows[idx], step] = tokens[idx, step]  # what the next graph embeds

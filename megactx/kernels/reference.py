@@ -158,8 +158,7 @@ def indexer_logits(q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor, 
         rows = (seq_idx == b).nonzero().squeeze(1)
         table = block_table[b].long()
         slots = table[(pos // BLOCK_SIZE).clamp_max(table.shape[0] - 1)] * BLOCK_SIZE + pos % BLOCK_SIZE  # [L]
-        seen = pos < key_len[rows].max()  # beyond every row's range: slot 0, masked below
-        k, k_scale = read_index_k(index_cache, slots.masked_fill(~seen, 0), DI)  # [L, DI], [L]
+        k, k_scale = read_index_k(index_cache, slots, DI)  # [L, DI], [L]: past a row's range masked below
         dots = torch.einsum("thd,ld->thl", q[rows].float(), k).relu()  # [rows, HI, L]
         logits[rows] = torch.einsum("th,thl->tl", w[rows].float(), dots) * k_scale
     return logits.masked_fill(~visible, float("-inf"))
