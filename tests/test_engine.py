@@ -239,6 +239,33 @@ def test_graphed_decode_equals_eager_decode(model):
     assert len({bs for _, bs, _ in keys}) >= 2 and len({n for _, _, n in keys}) >= 2, keys
 
 
+@pytest.mark.usefixtures("one_torch_thread")
+def test_graphed_mixed_steps_equal_eager_steps(model):
+    """Steps with prefill chunks (chunked prompts, arrivals while others decode, a chunk that ends
+    mid-prompt) replayed from "mixed" graphs, ragged rows in row buckets: the eager engine's tokens
+    and KV, step by step."""
+    prompts = _prompts([90, 7, 150, 33, 64, 12])
+    params = [SamplingParams(temperature=t, max_tokens=n, ignore_eos=True, seed=s)
+              for t, n, s in [(0, 6, None), (1.0, 9, 4), (0, 4, None), (0, 7, None), (1.0, 5, 5), (0, 3, None)]]
+    eager, graphed = (LLM(model, device="cpu", max_num_seqs=4, num_blocks=40, max_num_batched_tokens=72)
+                      for _ in range(2))
+    graphed.runner.use_graphs(EagerCapture(), min_keys=64)
+    arrivals = {0: [0, 1, 2], 2: [3], 3: [4], 6: [5]}  # step -> requests added before it
+    step = 0
+    while step == 0 or eager.has_unfinished() or step <= max(arrivals):
+        for i in arrivals.get(step, []):
+            for llm in (eager, graphed):
+                llm.add_request(prompts[i], params[i], request_id=str(i))
+        assert [(d.request_id, d.token_ids) for d in graphed.step()] == [(d.request_id, d.token_ids)
+                                                                          for d in eager.step()], step
+        for want, got in zip(eager.runner.caches, graphed.runner.caches):
+            assert all(a is None or torch.allclose(a, b, atol=1e-5) for a, b in zip(want, got))
+        step += 1
+    assert not graphed.has_unfinished()
+    mixed = [k for k in graphed.runner.graphs.graphs if k[0] == "mixed"]
+    assert len({rows for _, rows, _ in mixed}) >= 2 and len({keys for _, _, keys in mixed}) >= 2, mixed
+
+
 @pytest.mark.gpu
 def test_cuda_graph_decode_matches_eager_decode(model):
     """Decode steps replayed from CUDA graphs (several batch and key-count buckets, padded rows)

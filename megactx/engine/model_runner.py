@@ -13,8 +13,15 @@ bucket, key-count bucket): the smallest batch bucket >= B and the smallest key b
 longest key range the step reads. It reads its inputs from static buffers (`StaticBatch`) the
 runner fills before each replay: sequence b's tokens sit in rows b·q .. b·q + q - 1, and every row
 past a sequence's tokens (and every row of the sequences past B) is a padding row: no keys
-(key_len 0), no KV write (slot -1), its outputs dropped. Everything else (prefill chunks, mixed
-steps, CPU) runs eagerly.
+(key_len 0), no KV write (slot -1), its outputs dropped.
+
+Steps with prefill chunks (a prompt, or new arrivals mixed with decodes: most steps of a server
+under load) replay "mixed" graphs, one per (row bucket, key bucket): the step's tokens in ragged
+rows (each sequence's consecutive, `StaticBatch.fill_ragged`), padded to the next power-of-two row
+count, the logits taken at the rows that sample. An eager step of the tiny model took ~13 ms on the
+H200 (hundreds of launches), its graphed decode step ~1.2 ms. Steps past the largest row bucket or
+with a large indexer logits buffer (long prefills, bound by the device) run eagerly, as does
+everything on a CPU.
 
 Capture and replay go through a `Capture`: `CudaGraphCapture` (torch.cuda.CUDAGraph, one memory
 pool for all graphs) on CUDA; `EagerCapture` calls the captured function again at each replay, so
@@ -33,6 +40,7 @@ and a profiled forward of `max_num_batched_tokens` tokens (activations); on a CP
 from __future__ import annotations
 
 import gc
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -74,8 +82,11 @@ def plan_num_blocks(model: Transformer, kv_dtype: torch.dtype, index_dtype: torc
     per_block = cache_bytes_per_token(cfg, kv_dtype, index_dtype) * BLOCK_SIZE
     device = next(model.parameters()).device
     if device.type == "cuda":
+        gc.collect()  # an engine dropped earlier may sit in a reference cycle, its KV cache still allocated
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+        weights = sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
+        held = torch.cuda.memory_allocated(device) - weights  # by this process, besides this model
         _profile_forward(model, max_num_batched_tokens, kv_dtype, index_dtype, backend)
         peak = torch.cuda.max_memory_allocated(device)
         free, total = torch.cuda.mem_get_info(device)
@@ -83,6 +94,8 @@ def plan_num_blocks(model: Transformer, kv_dtype: torch.dtype, index_dtype: torc
         budget = int(total * gpu_memory_utilization) - used_by_others - peak
         num_blocks = budget // per_block
         where = f"{gpu_memory_utilization:.0%} of the GPU's {total / 2**30:.1f} GiB after weights and activations"
+        if held > 1 << 30:
+            where += f", the {held / 2**30:.1f} GiB this process holds besides the model (another engine alive?)"
         if used_by_others > 1 << 30:
             where += f" and the {used_by_others / 2**30:.1f} GiB that other processes hold"
     else:
@@ -162,6 +175,13 @@ class ModelRunner:
             logits = self.graphs.forward("decode", [item.seq.block_table for item in scheduled],
                                          [item.start for item in scheduled],
                                          [[item.seq.token_ids[item.start]] for item in scheduled])
+            if logits is not None:
+                return logits
+        elif self.graphs is not None:
+            logits = self.graphs.forward_mixed([item.seq.block_table for item in scheduled],
+                                               [item.start for item in scheduled],
+                                               [item.seq.token_ids[item.start : item.end] for item in scheduled],
+                                               [i for i, item in enumerate(scheduled) if item.samples])
             if logits is not None:
                 return logits
         input_ids, batch, rows = self.prepare(scheduled)
@@ -257,20 +277,26 @@ class StaticBatch:
     tokens each, flattened: token i of sequence b is row b·q + i. Rows a fill() leaves empty are
     padding rows (key_len 0, slot -1: they see no keys and write nothing)."""
 
-    def __init__(self, max_seqs: int, q: int, max_blocks: int, device: torch.device):
-        n = max_seqs * q
+    def __init__(self, max_seqs: int, q: int, max_blocks: int, device: torch.device, rows: int | None = None):
+        """rows: a ragged batch of that many rows (fill_ragged), where q = 1 and a sequence's tokens
+        are consecutive rows, however many; else max_seqs · q rows of q a sequence (fill)."""
+        n = rows or max_seqs * q
         self.q = q
+        self.ragged = rows is not None
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)  # [n]: each row's token
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
         self.slots = torch.full((n,), -1, dtype=torch.long, device=device)
-        self.seq_idx = torch.arange(max_seqs, dtype=torch.int32, device=device).repeat_interleave(q)
+        self.seq_idx = (torch.zeros(n, dtype=torch.int32, device=device) if self.ragged
+                        else torch.arange(max_seqs, dtype=torch.int32, device=device).repeat_interleave(q))
+        self.sample_rows = torch.zeros(max_seqs, dtype=torch.long, device=device)  # ragged: rows that sample
         self.key_len = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_table = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, device=device)
 
-    def view(self, bsz: int, max_keys: int) -> PagedBatch:
-        """The metadata of the first bsz sequences' rows; max_keys (the key bucket) bounds every
-        row's key range without a sync, and sizes the indexer's logits buffer."""
-        rows = bsz * self.q
+    def view(self, bsz: int, max_keys: int, rows: int | None = None) -> PagedBatch:
+        """The metadata of the first bsz sequences' rows (ragged: of the first `rows` rows); max_keys
+        (the key bucket) bounds every row's key range without a sync, and sizes the indexer's
+        logits buffer."""
+        rows = rows or bsz * self.q
         return PagedBatch(self.positions[:rows], self.slots[:rows], self.seq_idx[:rows], self.key_len[:rows],
                           self.block_table[:bsz], torch.full((rows,), max_keys, dtype=torch.int32))
 
@@ -278,6 +304,7 @@ class StaticBatch:
         """Make every row a padding row (before a capture: its runs must not write live blocks)."""
         self.slots.fill_(-1)
         self.key_len.zero_()
+        self.sample_rows.zero_()  # a smaller row bucket's graph must not index past its rows
 
     def fill(self, table: torch.Tensor, starts: Sequence[int], token_ids: Sequence[Sequence[int]]) -> torch.Tensor:
         """Sequence b < len(starts) computes positions starts[b] .. starts[b] + len(token_ids[b]) - 1
@@ -304,18 +331,47 @@ class StaticBatch:
         copy_from_host_(self.block_table[:bsz, : table.shape[1]], table)
         return rows
 
+    def fill_ragged(self, table: torch.Tensor, starts: Sequence[int], token_ids: Sequence[Sequence[int]],
+                    rows: int, samples: Sequence[int]) -> None:
+        """The ragged form of fill(): sequence b's tokens take the next len(token_ids[b]) rows, the
+        rows after the last sequence's up to `rows` (the row bucket) are padding; sample_rows[j]
+        is the last row of sequence samples[j] (the chunks whose last token samples)."""
+        counts = torch.tensor([len(ids) for ids in token_ids])
+        n = int(counts.sum())
+        assert self.ragged and n <= rows <= self.input_ids.shape[0], f"{n} tokens in a batch of {rows} rows"
+        seq = torch.zeros(rows, dtype=torch.long)
+        seq[:n] = torch.repeat_interleave(torch.arange(len(token_ids)), counts)
+        first = counts.cumsum(0) - counts  # each sequence's first row
+        pos = torch.zeros(rows, dtype=torch.long)
+        pos[:n] = torch.tensor(starts, dtype=torch.long)[seq[:n]] + torch.arange(n) - first[seq[:n]]
+        real = torch.arange(rows) < n
+        ids = torch.zeros(rows, dtype=torch.long)
+        ids[:n] = torch.tensor([t for seq_ids in token_ids for t in seq_ids], dtype=torch.long)
+        copy_from_host_(self.input_ids[:rows], ids)
+        copy_from_host_(self.positions[:rows], pos)
+        copy_from_host_(self.seq_idx[:rows], seq.int())
+        copy_from_host_(self.slots[:rows], torch.where(real, slots_of(table[seq], pos[:, None])[:, 0], -1))
+        copy_from_host_(self.key_len[:rows], torch.where(real, pos + 1, 0).int())
+        copy_from_host_(self.block_table[: table.shape[0], : table.shape[1]], table)
+        last = torch.zeros(self.sample_rows.shape[0], dtype=torch.long)
+        last[: len(samples)] = (first + counts - 1)[list(samples)]
+        copy_from_host_(self.sample_rows, last)
+
 
 class StepGraphs:
     """The runner's captured steps, `graphs[(kind, batch bucket, key bucket, ...)]`, and the
     buckets. Kinds: "decode" (the target over 1 token a sequence -> logits), "verify" (the target
     over the γ + 1 verified tokens of each sequence -> final-normed hidden states; SpecDecoder.verify
-    then computes the logits it needs), "draft" (spec_decode.DraftGraphs).
+    then computes the logits it needs), "mixed" (any step of the plain engine as ragged rows ->
+    logits of the rows that sample; `forward_mixed`), "draft" (spec_decode.DraftGraphs).
 
     The key bucket bounds the indexer's logits buffer ([rows, keys] fp32): one graph for every
     context up to max_model_len would make a short-context step pay for 1M keys."""
 
     MIN_KEYS = 4096  # the smallest key-count bucket
     BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+    MIN_ROWS, MAX_ROWS = 32, 2048  # the row buckets of "mixed" steps: 32, 64, ... 2048 tokens
+    MIXED_LOGITS_BYTES = 256 << 20  # a mixed graph's indexer logits, rows x key bucket fp32, at most
 
     def __init__(self, runner: ModelRunner, capture: Capture, max_num_seqs: int, max_model_len: int,
                  min_keys: int = MIN_KEYS):
@@ -324,6 +380,7 @@ class StepGraphs:
         self.max_num_seqs = max_num_seqs
         self.batch_buckets = [b for b in self.BATCH_BUCKETS if b < max_num_seqs] + [max_num_seqs]
         self.key_buckets = _buckets(max_model_len, min(min_keys, max_model_len))
+        self.row_buckets = _buckets(self.MAX_ROWS, self.MIN_ROWS)
         self.max_blocks = -(-max_model_len // BLOCK_SIZE)
         self.graphs: dict[tuple, Graph] = {}
         self._batches: dict[str, StaticBatch] = {}
@@ -336,10 +393,10 @@ class StepGraphs:
         keys = next((k for k in self.key_buckets if k >= max_keys), None)
         return None if bs is None or keys is None else (bs, keys)
 
-    def static_batch(self, name: str, q: int) -> StaticBatch:
-        """The static inputs named `name` (one set per use, allocated at first use)."""
+    def static_batch(self, name: str, q: int, rows: int | None = None) -> StaticBatch:
+        """The static inputs named `name` (one set per use, allocated at first use; rows: ragged)."""
         if name not in self._batches:
-            self._batches[name] = StaticBatch(self.max_num_seqs, q, self.max_blocks, self.runner.device)
+            self._batches[name] = StaticBatch(self.max_num_seqs, q, self.max_blocks, self.runner.device, rows)
         return self._batches[name]
 
     def output(self, name: str, rows: int, width: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -380,6 +437,38 @@ class StepGraphs:
         if q == 1:
             return graph.outputs[: len(tables)]
         return graph.outputs.index_select(0, to_device(rows, self.runner.device))
+
+    @torch.inference_mode()
+    def forward_mixed(self, tables: Sequence[Sequence[int]], starts: Sequence[int],
+                      token_ids: Sequence[Sequence[int]], samples: Sequence[int]) -> torch.Tensor | None:
+        """Any step (prefill chunks, decodes, both) as a ragged batch: sequence b computes tokens
+        token_ids[b] at positions starts[b] .. over its blocks tables[b] -> logits [S, V] fp32 of
+        the last token of sequences samples[0 .. S-1] (a view of a static buffer, as forward's);
+        None when the step is past the largest row bucket or its indexer logits would exceed
+        MIXED_LOGITS_BYTES (a long prefill: bound by the device, not by launches; run eagerly).
+        One graph per (row bucket, key bucket), whatever the number of sequences."""
+        n = sum(len(ids) for ids in token_ids)
+        rows = next((r for r in self.row_buckets if r >= n), None)
+        keys = next((k for k in self.key_buckets if k >= max(s + len(ids) for s, ids in zip(starts, token_ids))), None)
+        if rows is None or keys is None or len(tables) > self.max_num_seqs or rows * keys * 4 > self.MIXED_LOGITS_BYTES:
+            return None
+        batch = self.static_batch("mixed", 1, self.row_buckets[-1])
+        graph = self.captured(("mixed", rows, keys), lambda: self._mixed(batch, rows, keys), batch.clear)
+        batch.fill_ragged(host_block_table(tables, len(tables)), starts, token_ids, rows, samples)
+        graph.replay()
+        return graph.outputs[: len(samples)]
+
+    def _mixed(self, batch: StaticBatch, rows: int, max_keys: int) -> Callable[[], torch.Tensor]:
+        model = self.runner.model
+        paged = batch.view(self.max_num_seqs, max_keys, rows)
+        layers = self.runner.layer_caches(paged)
+        out = self.output("logits", self.max_num_seqs, self.runner.cfg.vocab_size)
+
+        def step() -> torch.Tensor:
+            hidden = model.hidden_states(batch.input_ids[None, :rows], paged.positions[None], layers)[0]  # [rows, D]
+            return out.copy_(model.compute_logits(hidden.index_select(0, batch.sample_rows)))
+
+        return step
 
     def _target(self, batch: StaticBatch, bs: int, max_keys: int, logits: bool) -> Callable[[], torch.Tensor]:
         model = self.runner.model
