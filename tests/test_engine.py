@@ -66,7 +66,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     dict(max_num_batched_tokens=48),  # every prompt prefilled in chunks beside other decodes
     dict(max_num_batched_tokens=48, num_blocks=5),  # and too few blocks: preemption + recompute
     dict(chunked_prefill=False, max_num_batched_tokens=256, max_model_len=256),
-], ids=["plain", "chunked", "preempting", "unchunked"])
+    dict(async_scheduling=True),  # each step overlapped with the next: input tokens from the device
+    dict(max_num_batched_tokens=48, num_blocks=5, async_scheduling=True),
+], ids=["plain", "chunked", "preempting", "unchunked", "overlapped", "overlapped-preempting"])
 def test_greedy_equals_the_reference(model, setup):
     # prompts just short of a block edge, so decoding needs new blocks
     prompts = _prompts([5, 100, 70, 130, 3, 64] if "num_blocks" not in setup else [60, 62, 50, 63, 40, 58])
@@ -78,6 +80,51 @@ def test_greedy_equals_the_reference(model, setup):
     if "num_blocks" in setup:
         assert llm.stats.preemptions > 0, "the test meant to exercise preemption"
     assert llm.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_overlapped_steps_give_the_synchronous_engines_outputs(model, tokenizer_dir):
+    """async_scheduling (a step's tokens reach the host while the next step runs, which reads them
+    from the device; a sequence a token ends computes one token more, dropped) against the engine
+    that waits every step: the same tokens, text, finish reasons and logprobs, for every sampling
+    option, with chunked prefill, preemption, a prefix shared across requests, n > 1 and an abort."""
+    shared = _prompts([64], seed=3)[0]  # one block: a prefix-cache hit for the later requests
+    prompts = [shared + p for p in _prompts([60, 62, 58, 63, 61, 55, 59], seed=4)]  # a block edge near
+    free = _greedy(model, prompts[2], 12)
+    params = [
+        SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_p=0.8, max_tokens=11, seed=5, ignore_eos=True, logprobs=3),
+        SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[free[4]]),  # ends mid-run
+        SamplingParams(temperature=0.7, top_k=20, max_tokens=7, seed=6, repetition_penalty=1.3,
+                       frequency_penalty=0.5, min_tokens=3),  # penalties read the outputs on the host
+        SamplingParams(temperature=1.0, n=2, max_tokens=6, seed=8, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=10, stop=["e"], ignore_eos=True),
+    ]
+    results = {}
+    for overlap in (False, True):
+        llm = LLM(model, device="cpu", tokenizer=tokenizer_dir, max_num_seqs=4, num_blocks=7,
+                  max_num_batched_tokens=40, async_scheduling=overlap)
+        ids = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
+        results[overlap] = [llm.requests[i].output for i in ids]
+        victim = llm.add_request(prompts[0], SamplingParams(max_tokens=30, ignore_eos=True))
+        steps = 0
+        while llm.has_unfinished():
+            llm.step()
+            steps += 1
+            if steps == 12:
+                llm.abort(victim)
+        assert all(o.finished for o in results[overlap]) and not llm.requests
+        assert llm.block_manager.num_used_blocks == 0 and llm.stats.preemptions > 0
+    for sync, overlapped in zip(results[False], results[True]):
+        for a, b in zip(sync.outputs, overlapped.outputs, strict=True):
+            assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+            assert (a.logprobs is None) == (b.logprobs is None)
+            if a.logprobs is not None:
+                for x, y in zip(a.logprobs, b.logprobs, strict=True):  # batches differ: summation order
+                    assert x.token_id == y.token_id and list(x.top) == list(y.top)
+                    assert max(abs(u - v) for u, v in zip(x.top.values(), y.top.values())) < 1e-4
+    assert results[True][2].outputs[0].finish_reason == "stop" and results[True][2].token_ids[-1] == free[4]
 
 
 def test_prefix_cache_hits_keep_greedy_output(model):

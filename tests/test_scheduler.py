@@ -332,3 +332,18 @@ def test_postprocess_needs_a_token_for_every_sampling_chunk():
     out = sched.schedule()
     with pytest.raises(ValueError, match="no token"):
         sched.postprocess(out, {})
+
+
+def test_a_sequence_its_last_token_ends_is_not_scheduled_again():
+    """With overlapped steps the engine learns a sequence ended one step late; by count (max_tokens,
+    max_model_len) the scheduler knows at once and gives it no position past its end."""
+    sched = make_scheduler(8, max_model_len=2 * BS)
+    done, long, live = seq_of(0, [1, 2, 3], 2), seq_of(1, list(range(2 * BS - 2)), 10), seq_of(2, [4, 5], 9)
+    for seq in (done, long, live):
+        sched.add(seq)
+    for _ in range(2):  # the prompts, then one decode each
+        out = sched.schedule()
+        sched.postprocess(out, {item.seq.seq_id: 7 for item in out.scheduled if item.samples})
+    assert done.num_output_tokens == 2 and long.num_tokens == 2 * BS  # max_tokens; max_model_len
+    out = sched.schedule()
+    assert [item.seq for item in out.scheduled] == [live]

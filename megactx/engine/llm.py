@@ -10,6 +10,14 @@ reached their sequence's end into tokens (one host sync a step), and each reques
 and stop rule turn tokens into text and finish reasons. `step()` returns what changed, which is
 what `generate`, `stream` and the HTTP server build on.
 
+Overlapped steps (`async_scheduling`, the default on CUDA without speculative decoding): a small
+model's step is mostly host work (scheduling, filling the inputs, detokenizing, stop checks), so
+the engine does not wait for a step's tokens before it schedules the next. Each sampled token goes
+into its sequence as PENDING_TOKEN; the next step reads the real one from the device (`Inject`)
+while the host copy travels, and `step()` emits the tokens of the step before, once launched the
+next. The scheduler counts pending tokens, so a sequence ended by count is not scheduled past its
+end; one ended by a token it cannot see yet (EOS, a stop string) computes one token more, dropped.
+
 With `num_speculative_tokens` = γ > 0 a step also drafts: each decoding sequence's last token is
 verified together with up to γ tokens the checkpoint's MTP layer drafted in the step before, one
 target forward for all of them, and emits the accepted drafts plus one more token (greedy
@@ -30,7 +38,7 @@ from pathlib import Path
 import torch
 
 from megactx.engine.block_manager import BlockManager
-from megactx.engine.model_runner import CacheConfig, ModelRunner, plan_num_blocks
+from megactx.engine.model_runner import CacheConfig, Inject, ModelRunner, plan_num_blocks
 from megactx.engine.sampler import Sampler, SamplingBatch, SamplingTensorsCache, make_generator, pad_token_ids
 from megactx.engine.sampling_params import SamplingParams, check_stop
 from megactx.engine.scheduler import Scheduler, SchedulerConfig
@@ -113,6 +121,45 @@ class EngineStats:
     spec_decode: SpecDecodeStats | None = None  # drafted / accepted tokens, with speculative decoding
 
 
+PENDING_TOKEN = -1  # a sampled token not on the host yet (`LLM.async_scheduling`)
+
+
+@dataclass
+class _Pending:
+    """A step whose sampled tokens are still on the device: their copies to the host are queued
+    behind it, and the next step reads them from `tokens`."""
+
+    seqs: list[Seq]  # the sequences that sampled, in row order
+    rows: dict[int, int]  # seq_id -> row
+    tokens: torch.Tensor  # [S] int64, on the device
+    host: list[torch.Tensor]  # tokens (+ chosen logprobs, top logprobs, top ids) on their way to the host
+    event: torch.cuda.Event | None  # recorded after the copies (CUDA)
+    positions: dict[int, int] = field(default_factory=dict)  # seq_id -> where its PENDING_TOKEN sits
+
+    @classmethod
+    def launch(cls, seqs: list[Seq], result) -> _Pending:
+        values = [result.tokens]
+        if result.logprobs is not None:
+            values += [result.logprobs, result.top_logprobs, result.top_token_ids]
+        event = None
+        if result.tokens.is_cuda:
+            host = [torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for v in values]
+            for h, v in zip(host, values):
+                h.copy_(v, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = values
+        return cls(seqs, {seq.seq_id: row for row, seq in enumerate(seqs)}, result.tokens, host, event)
+
+    def fetch(self) -> tuple[list[int], list[float] | None, list[list[float]] | None, list[list[int]] | None]:
+        """Wait for the copies -> tokens, and if any row asked: chosen logprobs, top logprobs, top ids."""
+        if self.event is not None:
+            self.event.synchronize()
+        lists = [h.tolist() for h in self.host]
+        return (lists[0], None, None, None) if len(lists) == 1 else tuple(lists)
+
+
 class _Request:
     def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
                  seqs: list[Seq], tokenizer: Tokenizer | None):
@@ -150,6 +197,11 @@ class LLM:
     index_share_for_mtp_iteration). draft_acceptance: "rejection" (drafts sampled from the MTP
     distribution, rejection sampling) or "target-only" (greedy drafts accepted with probability
     p(x), an ablation); greedy requests accept greedily under both.
+
+    async_scheduling: overlap each step's host work (emitting the last step's tokens: detokenizing,
+    stop checks; scheduling and filling in the next) with the device's work on the step in flight,
+    which reads its input tokens from the device (default: on CUDA without speculative decoding).
+    A sequence that a token ends (EOS, a stop string) then computes one token more, dropped.
     """
 
     def __init__(self, model: str | Path | Transformer, *, tokenizer: str | Path | None = None,
@@ -158,7 +210,8 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 8192, gpu_memory_utilization: float = 0.9,
                  cpu_cache_bytes: int = 4 << 30, num_blocks: int | None = None, enable_prefix_caching: bool = True,
                  chunked_prefill: bool = True, cuda_graphs: bool = True, num_speculative_tokens: int = 0,
-                 mtp_mode: str = "auto", draft_acceptance: str = "rejection", seed: int = 0):
+                 mtp_mode: str = "auto", draft_acceptance: str = "rejection", seed: int = 0,
+                 async_scheduling: bool | None = None):
         if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be an int >= 0 (0 = no speculative decoding), "
                              f"got {num_speculative_tokens!r}")
@@ -219,6 +272,11 @@ class LLM:
         self._generators: dict[int, torch.Generator] = {}
         self._ids = itertools.count()
         self._sampling = SamplingTensorsCache()
+        self._pending: _Pending | None = None  # a step whose tokens are on their way to the host
+        self.async_scheduling = (on_cuda and spec is None) if async_scheduling is None else async_scheduling
+        if self.async_scheduling and spec is not None:
+            raise ValueError("async_scheduling does not work with speculative decoding yet (its steps wait for "
+                             "their tokens); leave it unset")
         self.stats = EngineStats()
         self.spec: SpecDecoder | None = None
         if spec is not None:
@@ -290,7 +348,7 @@ class LLM:
                 request.output.outputs[i].finish_reason = "abort"
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._pending is not None
 
     def _forget(self, seq: Seq) -> None:
         self._seqs.pop(seq.seq_id, None)
@@ -302,38 +360,65 @@ class LLM:
     @torch.inference_mode()
     def step(self) -> list[Delta]:
         """Run one scheduler step; returns a Delta for every completion that got tokens (one, or
-        with speculative decoding the accepted drafts and the token after them)."""
+        with speculative decoding the accepted drafts and the token after them). With overlapped
+        steps (`async_scheduling`) the deltas are those of the step before, whose tokens reached
+        the host while this one ran on the device."""
         if self.spec is not None:
             return self._spec_step(self.spec)
         out = self.scheduler.schedule()
         self.stats.preemptions += len(out.preempted)
         if out.is_empty:
-            return []
+            return self._resolve()  # the last step's tokens
         self.stats.steps += 1
-        logits = self.runner.execute(out.scheduled)  # [R, V]
+        inject = None
+        if (pending := self._pending) is not None:  # decodes whose input is the last step's token
+            fed = [(i, pending.rows[item.seq.seq_id]) for i, item in enumerate(out.scheduled)
+                   if item.seq.seq_id in pending.rows and item.end == item.seq.num_tokens
+                   and item.seq.token_ids[-1] == PENDING_TOKEN]
+            inject = Inject([i for i, _ in fed], [r for _, r in fed], pending.tokens) if fed else None
+        logits = self.runner.execute(out.scheduled, inject)  # [R, V]
         seqs = [item.seq for item in out.scheduled if item.samples]
-        if not seqs:  # only prefill chunks that end mid-prompt
-            self.scheduler.postprocess(out, {})
-            return []
-        tensors = self._sampling.get(seqs, self.device, self.cfg.vocab_size, self.eos_token_ids)
-        batch = SamplingBatch(tensors, generators=[self._generators.get(seq.seq_id) for seq in seqs])
-        if tensors.any_penalties or tensors.any_min_tokens:
-            batch.prompt_token_ids = pad_token_ids([s.token_ids[: s.num_prompt_tokens] for s in seqs], self.device)
-            batch.output_token_ids = pad_token_ids([s.output_token_ids for s in seqs], self.device)
-        result = self.sampler(logits, batch)
-        tokens = result.tokens.tolist()  # the step's one host sync
-        self.scheduler.postprocess(out, {seq.seq_id: tok for seq, tok in zip(seqs, tokens)})
+        deltas = None
+        if seqs:
+            tensors = self._sampling.get(seqs, self.device, self.cfg.vocab_size, self.eos_token_ids)
+            batch = SamplingBatch(tensors, generators=[self._generators.get(seq.seq_id) for seq in seqs])
+            if tensors.any_penalties or tensors.any_min_tokens:  # they read the outputs on the host
+                deltas = self._resolve()
+                batch.prompt_token_ids = pad_token_ids([s.token_ids[: s.num_prompt_tokens] for s in seqs], self.device)
+                batch.output_token_ids = pad_token_ids([s.output_token_ids for s in seqs], self.device)
+            launched = _Pending.launch(seqs, self.sampler(logits, batch))
+        if deltas is None:
+            deltas = self._resolve()  # the step before: on the host by now, or soon
+        # each sampling chunk's token is known to come: scheduling counts it from now on
+        self.scheduler.postprocess(out, {seq.seq_id: PENDING_TOKEN for seq in seqs})
+        if seqs:
+            launched.positions = {seq.seq_id: seq.num_tokens - 1 for seq in seqs if not seq.is_finished}
+            self._pending = launched
+            if not self.async_scheduling:
+                deltas += self._resolve()
+        return deltas
 
+    def _resolve(self) -> list[Delta]:
+        """Wait for the pending step's tokens, put them in place of their sequences' PENDING_TOKEN,
+        and emit them (finishing the sequences they end)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return []
+        tokens, logprobs, top_lps, top_ids = pending.fetch()
         now = time.perf_counter()
         deltas = []
-        for row, (seq, token) in enumerate(zip(seqs, tokens)):
+        for row, (seq, token) in enumerate(zip(pending.seqs, tokens)):
+            position = pending.positions.get(seq.seq_id)
+            if position is not None and position < seq.num_tokens:
+                seq.token_ids[position] = token
+            if seq.seq_id not in self._seqs or seq.is_finished:
+                continue  # aborted, or finished by the step before (this token was computed in vain)
             request, index = self._seqs[seq.seq_id]
-            logprobs = None
+            lps = None
             if request.output.outputs[index].logprobs is not None:
                 k = request.params.logprobs
-                top = dict(zip(result.top_token_ids[row, :k].tolist(), result.top_logprobs[row, :k].tolist()))
-                logprobs = [TokenLogprobs(token, float(result.logprobs[row]), top)]
-            deltas.append(self._emit(request, index, seq, [token], logprobs, now))
+                lps = [TokenLogprobs(token, logprobs[row], dict(zip(top_ids[row][:k], top_lps[row][:k])))]
+            deltas.append(self._emit(request, index, seq, [token], lps, now))
         return deltas
 
     def _spec_step(self, spec: SpecDecoder) -> list[Delta]:

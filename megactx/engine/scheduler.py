@@ -202,6 +202,8 @@ class Scheduler:
                     break
                 if seq.status is not SequenceStatus.RUNNING or seq.is_prefill == decode:
                     continue  # preempted earlier in this loop, or belongs to the other pass
+                if decode and self._ended(seq):
+                    continue  # its last token (not on the host yet) ends it: the engine finishes it
                 n = seq.num_uncomputed_tokens
                 if self.config.chunked_prefill:
                     n = min(n, budget)
@@ -237,6 +239,13 @@ class Scheduler:
             budget -= n
 
         return SchedulerOutput(scheduled, preempted, self.config.max_num_batched_tokens - budget)
+
+    def _ended(self, seq: Sequence) -> bool:
+        """`seq` has all its tokens by count (max_tokens outputs, or max_model_len tokens). The
+        engine finishes such a sequence when it sees its last token; an engine that overlaps a
+        step with the next one schedules that next step before, and must not compute past the end."""
+        return (seq.num_output_tokens >= seq.sampling_params.max_tokens
+                or seq.num_tokens >= self.config.max_model_len)
 
     def _take_lookahead_if_free(self, seq: Sequence, n: int) -> None:
         """A prefill chunk of n positions that samples gets its lookahead slots when the pool has

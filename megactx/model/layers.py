@@ -18,11 +18,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32, scale in the input dtype (transformers' and DeepSeek's order). The
-        # normalisation is torch's fused rms_norm: one kernel on CUDA where pow/mean/add/rsqrt/mul
-        # took five, and a decode step runs ~4 norms a layer.
-        xf = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * xf.to(x.dtype)
+        # torch's fused rms_norm: one kernel on CUDA, fp32 inside, one rounding to x's dtype at the
+        # end. transformers and DeepSeek normalise in fp32, round, then scale in x's dtype: four
+        # kernels (cast, norm, cast, scale) and a second rounding. Norms are ~4 a layer and a decode
+        # step is bound by its kernel count, so the fused form, whose error against fp32 is no larger.
+        if self.weight.dtype == x.dtype:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
