@@ -673,6 +673,18 @@ def tiny_recipe() -> Recipe:
     top-k 256, `--copy-forms half` and seed 1 lost the needles in its sparse stage (answer loss 1.6;
     0.5% at 4K after extend).
 
+    The same recipe and seed run again (2026-11-30, code of 965d16a, `--stage-steps extend=120,mtp=250`)
+    did worse: its dense stage learnt the needles ~1000 steps later (needle loss 0.20 over steps
+    2400-2500, 0.03 at the end), and the model found 87.5 / 57.5 / 47 / 43% of the needles at 4K /
+    16K / 32K / 64K. Held-out bits/byte of its dense ablation was 1.338 at 1K, against 1.159 in the
+    shipped run: one recipe spreads by 0.18 bits/byte from run to run (changed kernels round
+    differently, so no two code versions replay a run), so compare patterns within a run, from its
+    dense checkpoint. There IndexShare FSSSSSSF was 3.0% / 3.8% above every-layer DSA at 1K / 4K;
+    top-k 256 instead of 128, 2.5% / 3.3%; FSFSSSSS (the search's pick) 4% / 5% BELOW it, having
+    lost the needles (answer loss at chance: its last layer, the one that retrieves, took layer 2's
+    top-k). Its search again found layer 7 the retrieving one (+3.6 nats/token shared alone) and,
+    at three full layers, FSFSSSSF within 0.03 of every-layer DSA.
+
     Tokens: dense 3000 × 16 × 2048 ≈ 98M (a quarter code rows, a quarter copy rows: ~9 passes over
     the corpus; ~96K needle tasks),
     warm-up 3.3M, sparse 300 × 8 × 4096 ≈ 10M, extend 60 × 2 × 64K ≈ 7.9M, MTP 100 × 16 × 2048 +
