@@ -89,10 +89,21 @@ def _serving(app):
         thread.join(TIMEOUT_S)
 
 
-@pytest.fixture(scope="module")
-def base_url(checkpoint):
-    with _serving(build_app(_engine(checkpoint), served_model_name=MODEL, max_queued_requests=MAX_QUEUED)) as url:
+@pytest.fixture(scope="module", params=["engine-thread", "engine-process"])
+def base_url(checkpoint, request):
+    """The server, its engine in a thread of its own, or in a process of its own (`--engine-process`):
+    every test that talks to it runs against both."""
+    if request.param == "engine-process":
+        from megactx.serve.engine_process import EngineProcess
+
+        engine = EngineProcess(dict(model=str(checkpoint), device="cpu", max_model_len=MAX_MODEL_LEN,
+                                    max_num_seqs=MAX_NUM_SEQS, num_blocks=NUM_BLOCKS))
+    else:
+        engine = _engine(checkpoint)
+    with _serving(build_app(engine, served_model_name=MODEL, max_queued_requests=MAX_QUEUED)) as url:
         yield url
+    if request.param == "engine-process":
+        assert not engine.is_alive, "the engine process outlived its server"
 
 
 @pytest.fixture(scope="module")
@@ -353,8 +364,11 @@ def test_merge_deltas_makes_one_delta_a_completion_in_order():
 class _IdleLLM:
     """An LLM that admits every request and never steps: a test hands the AsyncEngine its steps."""
 
+    max_num_seqs = 4
+
     def __init__(self):
-        self.scheduler = SimpleNamespace(config=SimpleNamespace(max_num_seqs=4))
+        self.scheduler = SimpleNamespace(num_running=0, num_waiting=0)
+        self.block_manager = SimpleNamespace(num_used_blocks=0, num_free_blocks=8, prefix_cache_hit_rate=0.0)
         self.stats = EngineStats()
         self.requests: dict[str, SamplingParams] = {}
 
@@ -572,6 +586,25 @@ def test_a_failing_engine_fails_its_requests_and_health(checkpoint, offline, mon
         assert health.status_code == 503 and "restart the server" in health.json()["error"]["message"]
 
 
+def test_an_engine_process_that_dies_fails_its_requests_and_health_and_one_that_cannot_load_says_why(checkpoint):
+    from megactx.serve.engine_process import EngineFailed, EngineProcess
+
+    engine = EngineProcess(dict(model=str(checkpoint), device="cpu", max_model_len=MAX_MODEL_LEN, num_blocks=8))
+    with _serving(build_app(engine, served_model_name=MODEL)) as url:
+        long = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=TIMEOUT_S)
+        assert long.status_code == 200
+        engine.process.kill()  # a crash: out of memory, a device fault
+        _wait = time.monotonic() + TIMEOUT_S
+        while httpx.get(f"{url}/health").status_code == 200 and time.monotonic() < _wait:
+            time.sleep(0.05)
+        health = httpx.get(f"{url}/health")
+        assert health.status_code == 503 and "restart the server" in health.json()["error"]["message"]
+        r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=TIMEOUT_S)
+        assert r.status_code == 503
+    with pytest.raises(EngineFailed, match="max_model_len"):  # the engine's own reason, from the child
+        EngineProcess(dict(model=str(checkpoint), device="cpu", max_model_len=1 << 40, num_blocks=8))
+
+
 # ---------------------------------------------------------------------------- the command line
 def test_serve_flags_are_explained_and_bad_ones_refused(capsys, checkpoint, tmp_path, monkeypatch):
     monkeypatch.setattr("megactx.models.SHIPPED_MODEL_DIR", tmp_path / "absent")  # else `serve` serves it
@@ -591,7 +624,8 @@ def test_serve_flags_are_explained_and_bad_ones_refused(capsys, checkpoint, tmp_
 
 
 @pytest.mark.slow
-def test_sigterm_drains_in_flight_requests_before_exit(checkpoint, tmp_path):
+@pytest.mark.parametrize("flags", [[], ["--engine-process"]], ids=["engine-thread", "engine-process"])
+def test_sigterm_drains_in_flight_requests_before_exit(checkpoint, tmp_path, flags):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -599,7 +633,7 @@ def test_sigterm_drains_in_flight_requests_before_exit(checkpoint, tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "megactx", "serve", "--model", str(checkpoint), "--port",
-                                 str(port), "--max-model-len", str(MAX_MODEL_LEN), "--device", "cpu"],
+                                 str(port), "--max-model-len", str(MAX_MODEL_LEN), "--device", "cpu", *flags],
                                 stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     try:
         base_url = f"http://127.0.0.1:{port}"
@@ -626,6 +660,8 @@ def test_sigterm_drains_in_flight_requests_before_exit(checkpoint, tmp_path):
         # uvicorn re-raises the signal after its graceful shutdown, so a supervisor sees it
         assert proc.wait(TIMEOUT_S) in (0, -signal.SIGTERM)
         assert f"prompt tokens, {num_tokens} output tokens" in log.read_text()
+        if flags:  # the engine's process went with the server's (the log shows it was there)
+            assert "[engine]" in log.read_text()
     finally:
         if proc.poll() is None:
             proc.kill()

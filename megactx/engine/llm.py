@@ -347,6 +347,11 @@ class LLM:
             if request.output.outputs[i].finish_reason is None:
                 request.output.outputs[i].finish_reason = "abort"
 
+    @property
+    def max_num_seqs(self) -> int:
+        """Sequences the engine runs at once."""
+        return self.scheduler.config.max_num_seqs
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._pending is not None
 

@@ -1,7 +1,8 @@
 """`megactx serve`: an OpenAI-compatible HTTP server over the engine (DESCRIPTION below is its --help).
 
 Modules: protocol (request / response schemas), async_engine (the engine thread and its asyncio
-bridge), api (the FastAPI app), metrics (Prometheus). This package's own import is light (argparse
+bridge), engine_process (the engine in a process of its own instead), api (the FastAPI app),
+metrics (Prometheus). This package's own import is light (argparse
 only), so `megactx --help` and the other subcommands do not need FastAPI.
 """
 
@@ -98,6 +99,9 @@ def add_serve_parser(subparsers) -> None:
                    help="sampled requests: rejection (drafts sampled from the MTP distribution, rejection "
                         "sampling) or target-only (greedy drafts accepted with probability p(x), an ablation); "
                         "greedy requests accept greedily either way (default %(default)s)")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
+                   help="run the engine in a process of its own, so the HTTP work does not hold its GIL "
+                        "(default: a thread of the server's process)")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info",
                    help="log level of the server and of its one-line-a-request log (default info)")
     p.set_defaults(func=run_serve)
@@ -159,12 +163,22 @@ def run_serve(args: argparse.Namespace) -> int:
         if gamma is None:
             has_mtp = ModelConfig.from_pretrained(path).num_nextn_predict_layers > 0
             gamma = DEFAULT_NUM_SPECULATIVE_TOKENS if has_mtp else 0
-        llm = LLM(path, device=args.device, dtype=None if args.dtype == "auto" else getattr(torch, args.dtype),
-                  kv_cache_dtype=args.kv_cache_dtype, max_model_len=_max_model_len(path, args),
-                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  gpu_memory_utilization=args.gpu_memory_utilization,
-                  num_speculative_tokens=gamma, mtp_mode=args.mtp_mode,
-                  draft_acceptance=args.draft_acceptance)
+        engine_args = dict(model=str(path), device=args.device,
+                           dtype=None if args.dtype == "auto" else getattr(torch, args.dtype),
+                           kv_cache_dtype=args.kv_cache_dtype, max_model_len=_max_model_len(path, args),
+                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                           gpu_memory_utilization=args.gpu_memory_utilization,
+                           num_speculative_tokens=gamma, mtp_mode=args.mtp_mode,
+                           draft_acceptance=args.draft_acceptance)
+        if args.engine_process:
+            from megactx.serve.engine_process import EngineFailed, EngineProcess
+
+            try:
+                llm = EngineProcess(engine_args, log_level=args.log_level)
+            except EngineFailed as e:
+                return _fail(str(e))
+        else:
+            llm = LLM(**engine_args)
     except ValueError as e:
         return _fail(str(e))
     name = args.served_model_name or path.resolve().name

@@ -1,6 +1,7 @@
 """`AsyncEngine`: the `LLM` in a thread of its own, bridged to an asyncio event loop.
 
-The LLM is not thread-safe, so exactly one thread owns it: the engine thread. The event loop
+The LLM is not thread-safe, so exactly one thread owns it: the engine thread (or, with an
+`EngineProcess`, the engine process's main thread: megactx.serve.engine_process). The event loop
 talks to it through a command queue (add a request, abort one, stop), and the engine thread
 sends back admission results and each step's deltas with `loop.call_soon_threadsafe`, so every
 piece of loop-side bookkeeping (which request wants which delta, capacity, latencies, logs) lives
@@ -43,11 +44,13 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from megactx.engine.llm import LLM, Delta
 from megactx.engine.sampling_params import SamplingParams
+from megactx.engine.spec_decode import SpecDecodeStats
+from megactx.serve.engine_process import EngineProcess
 from megactx.serve.metrics import ServerMetrics
 
 log = logging.getLogger("megactx.serve")
@@ -246,7 +249,8 @@ def _concat(deltas: list[Delta]) -> Delta:
 
 
 class AsyncEngine:
-    """Owns an LLM through a dedicated thread; see the module docstring.
+    """Owns an LLM through a dedicated thread, or drives an EngineProcess (the same engine loop,
+    `run_engine`, in a process of its own) through its pipes; see the module docstring.
 
     max_queued_requests: sequences admitted beyond the `max_num_seqs` the batch runs at once (>= 0).
     max_handovers_per_s: the event budget of all streams together (see the module docstring);
@@ -254,8 +258,8 @@ class AsyncEngine:
     metrics: where engine gauges, token counters and latencies go (None: nowhere).
     All methods are called from the event loop's thread."""
 
-    def __init__(self, llm: LLM, *, max_queued_requests: int, max_handovers_per_s: float = DEFAULT_MAX_HANDOVERS_PER_S,
-                 metrics: ServerMetrics | None = None):
+    def __init__(self, llm: LLM | EngineProcess, *, max_queued_requests: int,
+                 max_handovers_per_s: float = DEFAULT_MAX_HANDOVERS_PER_S, metrics: ServerMetrics | None = None):
         if max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
         if max_handovers_per_s < 0:
@@ -267,7 +271,7 @@ class AsyncEngine:
         self._paced: set[RequestStream] = set()  # streams with deltas whose hand-over is not due yet
         self._pacing_timer: asyncio.TimerHandle | None = None  # hands over when no step came for a while
         self._last_dispatch = 0.0  # loop.time() of the last step's deltas
-        self.capacity = llm.scheduler.config.max_num_seqs + max_queued_requests
+        self.capacity = llm.max_num_seqs + max_queued_requests
         self.error: BaseException | None = None  # why the engine thread died, if it did
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._requests: dict[str, _Tracked] = {}  # engine request id -> bookkeeping (loop thread only)
@@ -275,14 +279,20 @@ class AsyncEngine:
         self._num_seqs = 0  # sequences in flight: what the capacity bounds
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._stopping = False
 
     # ---------------------------------------------------------------------------- lifecycle
     def start(self) -> None:
-        """Start the engine thread; call from inside the running event loop that will use the engine."""
+        """Start the engine thread (or, with an EngineProcess, the threads that carry commands to it
+        and its outputs back); call from inside the running event loop that will use the engine."""
         if self._thread is not None:
             raise RuntimeError("AsyncEngine.start() was already called")
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="megactx-engine", daemon=True)
+        if isinstance(self.llm, EngineProcess):
+            threading.Thread(target=self._send_commands, name="megactx-engine-commands", daemon=True).start()
+            self._thread = threading.Thread(target=self._receive_outputs, name="megactx-engine-outputs", daemon=True)
+        else:
+            self._thread = threading.Thread(target=self._run_thread, name="megactx-engine", daemon=True)
         self._thread.start()
 
     async def shutdown(self) -> None:
@@ -294,12 +304,16 @@ class AsyncEngine:
             self._pacing_timer.cancel()
             self._pacing_timer = None
         if self._thread is not None and self._thread.is_alive():
+            self._stopping = True
             self._commands.put(_Stop())
+            if isinstance(self.llm, EngineProcess):
+                await asyncio.to_thread(self.llm.close)
             await asyncio.to_thread(self._thread.join)
 
     @property
     def is_alive(self) -> bool:
-        return self.error is None and self._thread is not None and self._thread.is_alive()
+        alive = self.error is None and self._thread is not None and self._thread.is_alive()
+        return alive and (not isinstance(self.llm, EngineProcess) or self.llm.is_alive)
 
     @property
     def num_in_flight(self) -> int:
@@ -480,51 +494,103 @@ class AsyncEngine:
         self._streams.clear()
         self._paced.clear()
 
-    # ---------------------------------------------------------------------------- the engine thread
-    def _run(self) -> None:
-        llm, loop = self.llm, self._loop
-        try:
+    # ---------------------------------------------------------------------------- the engine side
+    def _on_engine_output(self, admissions: list[tuple[str, Exception | None]], deltas: list[Delta], now: float,
+                          gauges: tuple, spec: SpecDecodeStats | None) -> None:
+        """An engine iteration's results, on the loop thread: admissions, then deltas, then gauges."""
+        if admissions:
+            self._admit_all(admissions)
+        if deltas:
+            self._dispatch(deltas, now)
+        if self.metrics:
+            self.metrics.observe_engine(*gauges)
+        if spec is not None and self.llm.stats.spec_decode is not None:  # the engine process's counters
+            vars(self.llm.stats.spec_decode).update(vars(spec))
+
+    def _run_thread(self) -> None:
+        loop = self._loop
+
+        def receive(block: bool) -> list:
+            received = [self._commands.get()] if block else []
             while True:
-                self._observe_engine()  # the state after the last step or command, before a possible sleep
-                # Sleep on the command queue while there is nothing to compute (no busy loop when idle).
-                commands = [] if llm.has_unfinished() else [self._commands.get()]
-                while True:
-                    try:
-                        commands.append(self._commands.get_nowait())
-                    except queue.Empty:
-                        break
-                # every admission of this round in one callback: a callback is a wake-up of the loop
-                admissions: list[tuple[str, Exception | None]] = []
-                for command in commands:
-                    if isinstance(command, _Stop):
-                        for request_id in list(llm.requests):
-                            llm.abort(request_id)
-                        return
-                    if isinstance(command, _Abort):
-                        llm.abort(command.request_id)
-                        continue
-                    try:
-                        llm.add_request(command.prompt_token_ids, command.params, request_id=command.request_id)
-                        admissions.append((command.request_id, None))
-                    except ValueError as e:  # the engine's reason: prompt too long, max_tokens too large, ...
-                        admissions.append((command.request_id, e))
-                if admissions:
-                    loop.call_soon_threadsafe(self._admit_all, admissions)
-                if llm.has_unfinished():
-                    deltas = llm.step()
-                    if deltas:
-                        loop.call_soon_threadsafe(self._dispatch, deltas, time.perf_counter())
+                try:
+                    received.append(self._commands.get_nowait())
+                except queue.Empty:
+                    return received
+
+        def emit(admissions, deltas, now, gauges) -> None:
+            loop.call_soon_threadsafe(self._on_engine_output, admissions, deltas, now, gauges, None)
+
+        try:
+            run_engine(self.llm, receive, emit)
         except Exception as e:
             log.exception("the engine thread failed; every request in flight fails with it")
             loop.call_soon_threadsafe(self._fail_all, e)
 
-    def _observe_engine(self) -> None:
-        llm = self.llm
+    def _send_commands(self) -> None:
+        """Process mode: the command queue into the engine's pipe (the loop never blocks on a full pipe)."""
+        process = self.llm
+        while True:
+            command = self._commands.get()
+            try:
+                process.send(command)
+            except OSError:  # the engine is gone: the receiver reports it
+                return
+            if isinstance(command, _Stop):
+                return
+
+    def _receive_outputs(self) -> None:
+        """Process mode: the engine's messages onto the loop, until its pipe ends."""
+        loop, pipe = self._loop, self.llm.outputs
+        while True:
+            try:
+                kind, payload = pipe.recv()
+            except (EOFError, OSError):
+                if not self._stopping:
+                    loop.call_soon_threadsafe(self._fail_all, EngineDead("the engine process exited"))
+                return
+            if kind == "failed":
+                loop.call_soon_threadsafe(self._fail_all, RuntimeError(payload))
+                return
+            loop.call_soon_threadsafe(self._on_engine_output, *payload)
+
+
+def engine_gauges(llm: LLM) -> tuple[int, int, int, int, float]:
+    """(running, waiting, KV blocks used, KV blocks free, prefix-cache hit rate): ServerMetrics.observe_engine's."""
+    bm = llm.block_manager
+    return (llm.scheduler.num_running, llm.scheduler.num_waiting, bm.num_used_blocks, bm.num_free_blocks,
+            bm.prefix_cache_hit_rate)
+
+
+def run_engine(llm: LLM, receive: Callable[[bool], list], emit: Callable[[list, list, float, tuple], None]) -> None:
+    """The engine side of AsyncEngine, in its thread or its process: apply the commands that came
+    (add: admitted or refused with the engine's reason; abort), run a step when there is work, and
+    emit(admissions, deltas, time.perf_counter(), engine_gauges) whenever an iteration changed
+    anything. receive(block) returns the commands waiting, blocking for one when block is True
+    (nothing to compute: no busy loop when idle). Returns after a _Stop, having aborted everything."""
+    sent_gauges = engine_gauges(llm)
+    emit([], [], time.perf_counter(), sent_gauges)  # the state before the first request
+    while True:
         # The server measures latencies itself (from HTTP arrival); the engine's own per-token lists
         # would otherwise grow with every token a long-running server makes.
         llm.stats.time_to_first_token.clear()
         llm.stats.inter_token_latency.clear()
-        if self.metrics:
-            bm = llm.block_manager
-            self.metrics.observe_engine(llm.scheduler.num_running, llm.scheduler.num_waiting, bm.num_used_blocks,
-                                        bm.num_free_blocks, bm.prefix_cache_hit_rate)
+        admissions: list[tuple[str, Exception | None]] = []
+        for command in receive(not llm.has_unfinished()):
+            if isinstance(command, _Stop):
+                for request_id in list(llm.requests):
+                    llm.abort(request_id)
+                return
+            if isinstance(command, _Abort):
+                llm.abort(command.request_id)
+                continue
+            try:
+                llm.add_request(command.prompt_token_ids, command.params, request_id=command.request_id)
+                admissions.append((command.request_id, None))
+            except ValueError as e:  # the engine's reason: prompt too long, max_tokens too large, ...
+                admissions.append((command.request_id, e))
+        deltas = llm.step() if llm.has_unfinished() else []
+        gauges = engine_gauges(llm)
+        if admissions or deltas or gauges != sent_gauges:
+            emit(admissions, deltas, time.perf_counter(), gauges)
+            sent_gauges = gauges
