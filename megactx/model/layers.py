@@ -92,12 +92,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     rotated seconds]. Queries and keys go through the same function, so dot products are those of
     the rotation in the checkpoint's own layout.
 
-    [x1 | x2] · [cos | cos] + [x2 | x1] · [-sin | sin] = [x1 cos - x2 sin | x2 cos + x1 sin], the
-    same roundings as those two expressions, in four or five kernels where they took seven.
+    [x1 | x2] · [cos | cos] + [x2 | x1] · [-sin | sin] = [x1 cos - x2 sin | x2 cos + x1 sin] in three
+    kernels (seven as written): one cat gathers [x1 | x2 | x2 | x1] (or [x2 | x1] alone when x is
+    [x1 | x2] already), a mul, and an addcmul whose sum rounds once (fp32 inside for bf16).
     """
     if x.dim() == 4:  # a head axis between S and D
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    x12 = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1) if interleave else x  # [x1 | x2]
-    half = x.shape[-1] // 2
-    x21 = torch.cat([x12[..., half:], x12[..., :half]], dim=-1)  # [x2 | x1]
-    return x12 * cos + x21 * sin
+    d = x.shape[-1]
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        both = torch.cat([x1, x2, x2, x1], dim=-1)  # [x1 | x2 | x2 | x1]
+        x12, x21 = both[..., :d], both[..., d:]
+    else:
+        x12, x21 = x, torch.cat([x[..., d // 2 :], x[..., : d // 2]], dim=-1)
+    return torch.addcmul(x12 * cos, x21, sin)
