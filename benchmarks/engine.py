@@ -19,7 +19,8 @@ all (token-id prompts of length P, max_tokens M, temperature 0, ignore_eos), aft
 warm-up round of C requests. The server is started with the offline engine's --device,
 --max-model-len (P + M), --max-num-seqs and no speculative decoding. Figures: requests/s, output
 tokens/s, request latency and TTFT (first streamed chunk) at p50 / p99. Server overhead = 1 −
-online tokens/s ÷ offline tokens/s at batch C.
+online tokens/s ÷ offline tokens/s at batch C. Then the same again with `--engine-process` (the
+engine in a process of its own; `--no-online-engine-process` skips it), side by side.
 
 Targets (the issue's): megactx >= 10x transformers' output tokens/s at batch 64 on a GPU; server
 overhead <= 10%.
@@ -89,6 +90,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 TARGET_SPEEDUP = 10.0  # megactx output tokens/s >= 10x transformers' ...
 TARGET_SPEEDUP_BATCH = 64  # ... at this batch, on a GPU
 MAX_SERVER_OVERHEAD = 0.10  # online tokens/s within 10% of offline at the same concurrency
+ONLINE_PROCESS = "online_engine_process"  # results key (and part name) of the --engine-process online run
+ONLINE_RUNS = (("online", "engine thread (default)"), (ONLINE_PROCESS, "engine process (--engine-process)"))
 HEALTH_POLL_S = 0.5
 SERVER_STOP_S = 30.0  # after SIGTERM, then SIGKILL
 LOG_TAIL_CHARS = 1500  # of the server's output, in the reason of a failed online run
@@ -118,6 +121,7 @@ class Settings:
     threads: int | None = None
     peer: bool = True
     online: bool = True
+    online_engine_process: bool = True  # the online run again with `megactx serve --engine-process`
     serve_args: list[str] = field(default_factory=list)
     port: int | None = None  # None: a free port
     server_timeout_s: float = 600.0  # model load + first compiles before /health answers
@@ -513,8 +517,11 @@ def online_figures(results: list[RequestResult], wall_s: float, s: Settings) -> 
                        "chunks": sum(r.chunks for r in results)})
 
 
-def run_online(path: Path, s: Settings, vocab_size: int, log: Callable[[str], object]) -> RunFigures:
-    """Start the server, run one warm-up round and one timed round of clients, stop the server."""
+def run_online(path: Path, s: Settings, vocab_size: int, log: Callable[[str], object],
+               extra_args: Sequence[str] = ()) -> RunFigures:
+    """Start the server (with extra_args), run one warm-up round and one timed round of clients, stop it."""
+    if extra_args:
+        s = dataclasses.replace(s, serve_args=[*extra_args, *s.serve_args])
     with ServeProcess(path, s) as server:
         log(f"megactx serve is up on port {server.port}")
         model = server.model_name(default=str(path))
@@ -561,6 +568,7 @@ class EngineBench:
         parts = [("ceilings", self.ceilings), ("megactx offline", self.megactx)]
         parts += [("transformers offline", self.transformers)] if self.s.peer else []
         parts += [("online", self.online)] if self.s.online else []
+        parts += [(ONLINE_PROCESS, self.online_process)] if self.s.online and self.s.online_engine_process else []
         for name, part in parts:
             try:
                 part()
@@ -602,12 +610,16 @@ class EngineBench:
         for batch in self.s.batches:
             self._add(run_transformers(model, self.s, batch, self.cfg.vocab_size, self._tokens.get(batch)))
 
-    def online(self) -> None:
-        self.progress.log(f"online: starting megactx serve, {self.s.concurrency} clients, {self.s.requests} requests")
-        figures = run_online(self.path, self.s, self.cfg.vocab_size, self.progress.log)
-        self.results["online"] = figures.to_dict()
-        self.progress.log(f"online: {figures.requests_per_s:.2f} requests/s, {fmt_num(figures.tokens_per_s)} "
+    def online(self, key: str = "online", extra_args: Sequence[str] = ()) -> None:
+        what = " ".join(["megactx serve", *extra_args])
+        self.progress.log(f"{key}: starting {what}, {self.s.concurrency} clients, {self.s.requests} requests")
+        figures = run_online(self.path, self.s, self.cfg.vocab_size, self.progress.log, extra_args)
+        self.results[key] = figures.to_dict()
+        self.progress.log(f"{key}: {figures.requests_per_s:.2f} requests/s, {fmt_num(figures.tokens_per_s)} "
                           f"tokens/s, latency p50 {_p(figures.latency_s, 'p50')}, TTFT p50 {_p(figures.ttft_s, 'p50')}")
+
+    def online_process(self) -> None:
+        self.online(ONLINE_PROCESS, ["--engine-process"])
 
 
 def _p(summary: dict[str, float] | None, key: str) -> str:
@@ -647,22 +659,26 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                or "not run")
         rows.append(_target(t, "–", f">= {TARGET_SPEEDUP:.0f}x", None, why))
 
-    t = f"server overhead <= {MAX_SERVER_OVERHEAD:.0%} of offline output tokens/s at the same concurrency"
-    online = RunFigures.from_dict(results["online"]) if results.get("online") else None
-    offline = online and _offline(results, MEGACTX, online.batch)
-    if online and offline:
-        overhead = 1 - online.tokens_per_s / offline.tokens_per_s
-        rows.append(_target(t, f"{overhead:.1%} ({fmt_num(online.tokens_per_s)} online vs "
-                               f"{fmt_num(offline.tokens_per_s)} offline tokens/s at {online.batch})",
-                            f"<= {MAX_SERVER_OVERHEAD:.0%}", overhead <= MAX_SERVER_OVERHEAD))
-    else:
-        if online:
-            why = f"no offline megactx run at batch {online.batch} (the clients' concurrency)"
-        elif not results["settings"]["online"]:
-            why = "online run disabled (--no-online)"
+    for key, label in ONLINE_RUNS:
+        if key != "online" and not results.get(key) and not _skip_reason(results, key):
+            continue  # the optional run was not asked for
+        t = f"server overhead <= {MAX_SERVER_OVERHEAD:.0%} of offline output tokens/s at the same concurrency"
+        t += f", {label}" if key != "online" else ""
+        online = RunFigures.from_dict(results[key]) if results.get(key) else None
+        offline = online and _offline(results, MEGACTX, online.batch)
+        if online and offline:
+            overhead = 1 - online.tokens_per_s / offline.tokens_per_s
+            rows.append(_target(t, f"{overhead:.1%} ({fmt_num(online.tokens_per_s)} online vs "
+                                   f"{fmt_num(offline.tokens_per_s)} offline tokens/s at {online.batch})",
+                                f"<= {MAX_SERVER_OVERHEAD:.0%}", overhead <= MAX_SERVER_OVERHEAD))
         else:
-            why = _skip_reason(results, "online") or "not run"
-        rows.append(_target(t, "–", f"<= {MAX_SERVER_OVERHEAD:.0%}", None, why))
+            if online:
+                why = f"no offline megactx run at batch {online.batch} (the clients' concurrency)"
+            elif not results["settings"]["online"]:
+                why = "online run disabled (--no-online)"
+            else:
+                why = _skip_reason(results, key) or "not run"
+            rows.append(_target(t, "–", f"<= {MAX_SERVER_OVERHEAD:.0%}", None, why))
     return rows
 
 
@@ -711,16 +727,19 @@ def render_markdown(results: dict[str, Any], targets: list[dict[str, Any]]) -> s
                          "ITL p50", "ITL p99", "same tokens as megactx"], rows))
 
     out.append("\n## Online: megactx serve, streaming /v1/completions\n")
-    if results.get("online"):
-        f = RunFigures.from_dict(results["online"])
-        offline = _offline(results, MEGACTX, f.batch)
-        overhead = f"{1 - f.tokens_per_s / offline.tokens_per_s:.1%}" if offline else "–"
+    runs = [(label, RunFigures.from_dict(results[key])) for key, label in ONLINE_RUNS if results.get(key)]
+    if runs:
+        rows = []
+        for label, f in runs:
+            offline = _offline(results, MEGACTX, f.batch)
+            overhead = f"{1 - f.tokens_per_s / offline.tokens_per_s:.1%}" if offline else "–"
+            rows.append([label, f.batch, f.requests, fmt_num(f.requests_per_s), fmt_num(f.tokens_per_s),
+                         fmt_num(offline.tokens_per_s) if offline else "–", overhead, *_lat(f.latency_s),
+                         *_lat(f.ttft_s)])
         out.append(md_table(
-            ["clients", "requests", "requests/s", "output tokens/s", "offline tokens/s at that batch", "overhead",
-             "latency p50", "latency p99", "TTFT p50", "TTFT p99"],
-            [[f.batch, f.requests, fmt_num(f.requests_per_s), fmt_num(f.tokens_per_s),
-              fmt_num(offline.tokens_per_s) if offline else "–", overhead, *_lat(f.latency_s), *_lat(f.ttft_s)]]))
-        if f.detail.get("tokens_counted_from") == "max_tokens":
+            ["server", "clients", "requests", "requests/s", "output tokens/s", "offline tokens/s at that batch",
+             "overhead", "latency p50", "latency p99", "TTFT p50", "TTFT p99"], rows))
+        if any(f.detail.get("tokens_counted_from") == "max_tokens" for _, f in runs):
             out.append("\n(The server sent no usage chunk: every request is counted as max_tokens long.)\n")
     else:
         out.append(f"Not run: {_skip_reason(results, 'online') or 'disabled (--no-online)'}.\n")
@@ -749,21 +768,21 @@ def plot(results: dict[str, Any], path: Path) -> bool:
     except ImportError:
         return False
     runs = [RunFigures.from_dict(d) for d in results["offline"]]
-    online = RunFigures.from_dict(results["online"]) if results.get("online") else None
-    batches = sorted({f.batch for f in runs} | ({online.batch} if online else set()))
+    onlines = [(label, RunFigures.from_dict(results[key])) for key, label in ONLINE_RUNS if results.get(key)]
+    batches = sorted({f.batch for f in runs} | {f.batch for _, f in onlines})
     x = {b: i for i, b in enumerate(batches)}
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5.5))
     engines = [(MEGACTX, "C0"), (TRANSFORMERS, "C1")]
-    width = 0.8 / (len(engines) + (online is not None))
+    width = 0.8 / (len(engines) + len(onlines))
     for k, (engine, color) in enumerate(engines):
         mine = [f for f in runs if f.engine == engine]
         if mine:
             bars = ax1.bar([x[f.batch] + (k - 0.5) * width for f in mine], [f.tokens_per_s for f in mine], width,
                            label=engine, color=color)
             ax1.bar_label(bars, [fmt_num(f.tokens_per_s) for f in mine], fontsize=7)
-    if online:
-        bars = ax1.bar([x[online.batch] + 1.5 * width], [online.tokens_per_s], width, color="C2",
-                       label=f"{SERVE} ({online.batch} clients)")
+    for k, (label, online) in enumerate(onlines):
+        bars = ax1.bar([x[online.batch] + (1.5 + k) * width], [online.tokens_per_s], width, color=f"C{2 + k}",
+                       label=f"{SERVE}, {label} ({online.batch} clients)")
         ax1.bar_label(bars, [fmt_num(online.tokens_per_s)], fontsize=7)
     ax1.set(yscale="log", xlabel="batch (requests in flight)", ylabel="output tokens/s",
             title="Throughput (higher is better)")
@@ -776,12 +795,12 @@ def plot(results: dict[str, Any], path: Path) -> bool:
                 xs = [p[0] for p in pts]
                 ax2.plot(xs, [1e3 * p[1]["p50"] for p in pts], marker + "-", color=color, label=f"{engine} {what} p50")
                 ax2.plot(xs, [1e3 * p[1]["p99"] for p in pts], marker + ":", color=color, label=f"{engine} {what} p99")
-    if online:
+    for k, (label, online) in enumerate(onlines):
         for key, marker, what in (("ttft_s", "o", "TTFT"), ("latency_s", "D", "latency")):
             summary = getattr(online, key)
             if summary:
-                ax2.plot([x[online.batch]] * 2, [1e3 * summary["p50"], 1e3 * summary["p99"]], marker + "--",
-                         color="C2", label=f"{SERVE} {what} p50 / p99")
+                ax2.plot([x[online.batch] + 0.1 * k] * 2, [1e3 * summary["p50"], 1e3 * summary["p99"]],
+                         marker + "--", color=f"C{2 + k}", label=f"{SERVE}, {label}: {what} p50 / p99")
     ax2.set(yscale="log", xlabel="batch (requests in flight)", ylabel="milliseconds",
             title="Latency (solid p50, dotted p99)")
     for ax in (ax1, ax2):
@@ -820,7 +839,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="online clients in flight (C); the overhead compares with the offline run at batch C")
     p.add_argument("--requests", type=int, default=None, help="online requests in all (R)")
     p.add_argument("--no-peer", action="store_true", help="skip the transformers peer")
-    p.add_argument("--no-online", action="store_true", help="skip the online run through megactx serve")
+    p.add_argument("--no-online", action="store_true", help="skip the online runs through megactx serve")
+    p.add_argument("--no-online-engine-process", action="store_true",
+                   help="skip the second online run, whose server runs its engine in a process of its own")
     p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                    help="an extra argument for megactx serve (repeat; e.g. --serve-arg=--max-model-len=4096)")
     p.add_argument("--port", type=int, default=None, help="port of megactx serve (default: a free one)")
@@ -844,6 +865,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         if getattr(args, name) is not None:
             setattr(s, name, getattr(args, name))
     s.seed, s.peer, s.online, s.serve_args = args.seed, not args.no_peer, not args.no_online, list(args.serve_arg)
+    s.online_engine_process = not args.no_online_engine_process
     s.check()
     return s
 

@@ -25,6 +25,7 @@ from benchmarks.engine import (
     evaluate_targets,
     online_figures,
     percentile,
+    render_markdown,
     run_online,
     write_reports,
 )
@@ -179,13 +180,14 @@ def test_an_http_error_is_raised_with_the_servers_words(fake_server):
         client_round(host, port, completion_bodies("other", [[1]], 2), 1, timeout_s=60)
 
 
-def test_online_run_through_megactx_serve(ckpt):
+@pytest.mark.parametrize("extra_args", [[], ["--engine-process"]], ids=["engine-thread", "engine-process"])
+def test_online_run_through_megactx_serve(ckpt, extra_args):
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
     s = Settings("cpu", [2], prompt_len=8, output_len=4, warmup_len=2, concurrency=2, requests=4, threads=1,
                  server_timeout_s=120, request_timeout_s=120)
     said: list[str] = []
-    f = run_online(ckpt, s, vocab_size=256, log=said.append)
+    f = run_online(ckpt, s, vocab_size=256, log=said.append, extra_args=extra_args)
     assert any("megactx serve is up" in line for line in said)
     assert (f.engine, f.batch, f.requests) == (SERVE, 2, 4)
     assert f.output_tokens == 4 * 4 and f.detail["tokens_counted_from"] == "usage"
@@ -239,6 +241,19 @@ def test_targets_compare_the_right_figures(ours, peer, online, speedup_ok, overh
     speedup, overhead = evaluate_targets(_fake_results("cuda", ours, peer, online))
     assert speedup["passed"] is speedup_ok and f"{ours / peer:.3g}x" in speedup["figure"]
     assert overhead["passed"] is overhead_ok and f"{1 - online / ours:.1%}" in overhead["figure"]
+
+
+def test_the_engine_process_run_gets_its_own_row_and_target():
+    results = _fake_results("cuda", 6000.0, 500.0, 4800.0)
+    results["online_engine_process"] = _run(SERVE, 64, 5820.0, requests=256)
+    speedup, thread, process = evaluate_targets(results)
+    assert thread["passed"] is False and "20.0%" in thread["figure"] and "--engine-process" not in thread["target"]
+    assert process["passed"] is True and "3.0%" in process["figure"] and "--engine-process" in process["target"]
+    md = render_markdown(results, [speedup, thread, process])
+    assert "| engine thread (default) | 64 | 256 |" in md and "| engine process (--engine-process) | 64 | 256 |" in md
+    results.pop("online_engine_process")
+    results["skipped"].append({"step": "online_engine_process", "reason": "EngineFailed: out of memory"})
+    assert "out of memory" in evaluate_targets(results)[2]["note"]  # asked for and failed: said so
 
 
 def test_targets_are_undecided_on_a_cpu_or_without_the_figures():
