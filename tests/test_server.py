@@ -614,7 +614,8 @@ def test_serve_flags_are_explained_and_bad_ones_refused(capsys, checkpoint, tmp_
     help_text = capsys.readouterr().out
     for flag in ("--model", "--served-model-name", "--host", "--port", "--max-model-len", "--max-num-seqs",
                  "--max-num-batched-tokens", "--gpu-memory-utilization", "--kv-cache-dtype", "--device", "--dtype",
-                 "--max-queued-requests", "--max-handovers-per-s", "--num-speculative-tokens"):
+                 "--max-queued-requests", "--max-handovers-per-s", "--num-speculative-tokens", "--async-scheduling",
+                 "--engine-process"):
         assert flag in help_text
     assert cli_main(["serve"]) == 2 and "--model PATH is required" in capsys.readouterr().err
     assert cli_main(["serve", "--model", str(checkpoint), "--num-speculative-tokens", "-1"]) == 2
