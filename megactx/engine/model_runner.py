@@ -443,7 +443,8 @@ class StepGraphs:
 
     @torch.inference_mode()
     def forward(self, kind: str, tables: Sequence[Sequence[int]], starts: Sequence[int],
-                token_ids: Sequence[Sequence[int]], q: int = 1, inject: Inject | None = None) -> torch.Tensor | None:
+                token_ids: Sequence[Sequence[int]], q: int = 1, inject: Inject | None = None,
+                fill: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> torch.Tensor | None:
         """The target over B sequences, sequence b computing tokens token_ids[b] (1 to q of them)
         at positions starts[b] .. over its blocks tables[b], from the graph of `kind` ("decode":
         q = 1 and logits out; "verify": final-normed hidden states out) -> logits [T, V] fp32 or
@@ -460,6 +461,8 @@ class StepGraphs:
         rows = batch.fill(host_block_table(tables, bs), starts, token_ids)
         if inject is not None:
             inject_tokens(batch.input_ids, rows[torch.tensor([len(ids) for ids in token_ids]).cumsum(0) - 1], inject)
+        if fill is not None:  # fill(input_ids, rows): the caller's tokens that are on the device
+            fill(batch.input_ids, rows)
         graph.replay()
         if q == 1:
             return graph.outputs[: len(tables)]

@@ -29,7 +29,10 @@ the draft logits (q is then one-hot: accepted with probability p(d)); "rejection
 `process_logits(draft logits)` and keeps q for the verify. Penalties and min_tokens shape p only:
 any q is valid as long as the drafts were drawn from it.
 
-Host syncs: two a step (the emitted tokens after the verify, the draft tokens after drafting).
+Host syncs: one a step, the emitted tokens after the verify. The drafts stay on the device (the
+next verify's inputs and its rejection rule read them there; `Draft.tokens`, their host copy, is
+fetched only for penalties and min_tokens), so the host emits, schedules and fills the next verify
+while the device drafts.
 
 Graphs. When the runner replays graphs (CUDA; `ModelRunner.use_graphs`), a step whose chunks are
 all decodes runs its verify forward as one graph of B sequences x (γ + 1) rows (`StepGraphs`,
@@ -146,11 +149,49 @@ class SpecDecodeStats:
 
 @dataclass
 class Draft:
-    """A sequence's draft tokens for its next verify. probs: [len(tokens), V] fp32, the q each token
-    was drawn from; None when they were picked deterministically (q = one-hot)."""
+    """A sequence's draft tokens for its next verify: device_tokens [k] int64 on the device, where
+    the next verify reads them; `tokens`, their host copy, waits for the copy the drafting queued
+    (nothing on the hot path reads it: the host goes on scheduling while the device drafts).
+    probs: [k, V] fp32, the q each token was drawn from; None when they were picked
+    deterministically (q = one-hot)."""
 
-    tokens: list[int]
+    device_tokens: torch.Tensor
     probs: torch.Tensor | None = None
+    host: _HostCopy | None = None  # the drafting's copy to the host, and this draft's row in it
+    row: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.device_tokens.shape[0]
+
+    @property
+    def tokens(self) -> list[int]:
+        if self.host is None:
+            return self.device_tokens.tolist()
+        return self.host.rows()[self.row][: self.num_tokens]
+
+
+class _HostCopy:
+    """A device tensor's copy to pinned host memory, queued behind the work that made it; rows()
+    waits for it (once)."""
+
+    def __init__(self, values: torch.Tensor):
+        self._event = None
+        if values.is_cuda:
+            self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self._host.copy_(values, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = values
+        self._rows: list[list[int]] | None = None
+
+    def rows(self) -> list[list[int]]:
+        if self._rows is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._rows = self._host.tolist()
+        return self._rows
 
 
 @dataclass
@@ -170,15 +211,27 @@ def forward_positions(runner: ModelRunner, scheduled: Sequence[ScheduledSeq],
     """The target over the step's chunks, each its known tokens then its draft tokens (slots were
     reserved by the scheduler), writing their KV. -> final-normed hidden states [T, D], chunk after
     chunk, T = Σ num_positions."""
-    ids = []
+    ids, draft_rows = [], []
     for item in scheduled:
         ids += item.seq.token_ids[item.start : item.end]
-        if item.num_draft_tokens:
-            ids += drafts[item.seq.seq_id].tokens[: item.num_draft_tokens]
+        draft_rows += range(len(ids), len(ids) + item.num_draft_tokens)
+        ids += [0] * item.num_draft_tokens  # the drafts themselves come from the device
     batch = PagedBatch.build([item.seq.block_table for item in scheduled], [item.start for item in scheduled],
                              [item.num_positions for item in scheduled], runner.device)
-    input_ids = to_device(ids, runner.device, torch.long)[None]  # [1, T]
-    return runner.model.hidden_states(input_ids, batch.positions[None], runner.layer_caches(batch))[0]
+    input_ids = to_device(ids, runner.device, torch.long)
+    put_drafts(input_ids, draft_rows, scheduled, drafts)
+    return runner.model.hidden_states(input_ids[None], batch.positions[None], runner.layer_caches(batch))[0]
+
+
+def put_drafts(input_ids: torch.Tensor, rows: list[int], scheduled: Sequence[ScheduledSeq],
+               drafts: Mapping[int, Draft]) -> None:
+    """input_ids [T] (device): rows (host, in order) take the scheduled chunks' draft tokens, which
+    never left the device: one gather of every chunk's draft tokens, one scatter."""
+    if not rows:
+        return
+    values = torch.cat([drafts[item.seq.seq_id].device_tokens[: item.num_draft_tokens]
+                        for item in scheduled if item.num_draft_tokens])
+    input_ids.index_copy_(0, to_device(rows, input_ids.device), values)
 
 
 def mtp_forward(runner: ModelRunner, hidden: torch.Tensor, next_tokens: torch.Tensor, batch: PagedBatch,
@@ -204,6 +257,11 @@ def mtp_forward(runner: ModelRunner, hidden: torch.Tensor, next_tokens: torch.Te
 def draft_logits(model: Transformer, mtp_hidden: torch.Tensor) -> torch.Tensor:
     """MTP output hidden states [T, D] -> draft logits [T, V] fp32 (shared_head.norm, then the lm_head)."""
     return model.compute_logits(model.mtp[0].shared_head.norm(mtp_hidden))
+
+
+def _chunk_offsets(ids: Sequence[Sequence[int]]) -> list[int]:
+    """Each token's index inside its chunk, chunk after chunk (0 = the known token, then the drafts)."""
+    return [j for chunk in ids for j in range(len(chunk))]
 
 
 def _offsets(scheduled: Sequence[ScheduledSeq]) -> list[int]:
@@ -234,7 +292,7 @@ class SpecDecoder:
 
     def draft_lengths(self) -> dict[int, int]:
         """seq_id -> draft tokens held (what Scheduler.schedule takes)."""
-        return {seq_id: len(draft.tokens) for seq_id, draft in self.drafts.items()}
+        return {seq_id: draft.num_tokens for seq_id, draft in self.drafts.items()}
 
     def forget(self, seq_id: int) -> None:
         """Drop a sequence's drafts (it finished, was aborted, or was preempted: its KV is gone)."""
@@ -244,10 +302,13 @@ class SpecDecoder:
         """The step's target forward over known and draft tokens -> hidden states [T, D]."""
         graphs = self.runner.graphs
         if graphs is not None and all(item.num_tokens == 1 and item.samples for item in scheduled):
-            ids = [[item.seq.token_ids[item.start], *self.drafts[item.seq.seq_id].tokens[: item.num_draft_tokens]]
-                   if item.num_draft_tokens else [item.seq.token_ids[item.start]] for item in scheduled]
+            # the drafts' places hold 0 here: put_drafts fills them from the device
+            ids = [[item.seq.token_ids[item.start]] + [0] * item.num_draft_tokens for item in scheduled]
             hidden = graphs.forward("verify", [item.seq.block_table for item in scheduled],
-                                    [item.start for item in scheduled], ids, q=self.config.num_speculative_tokens + 1)
+                                    [item.start for item in scheduled], ids, q=self.config.num_speculative_tokens + 1,
+                                    fill=lambda input_ids, rows: put_drafts(
+                                        input_ids, [r for r, j in zip(rows.tolist(), _chunk_offsets(ids)) if j],
+                                        scheduled, self.drafts))
             if hidden is not None:
                 return hidden
         return forward_positions(self.runner, scheduled, self.drafts)
@@ -265,8 +326,7 @@ class SpecDecoder:
             return {}
         device, vocab = hidden.device, self.vocab_size
         bsz, width = len(chunks), max(item.num_draft_tokens for item, _ in chunks)
-        drafts = [self.drafts[item.seq.seq_id].tokens[: item.num_draft_tokens] if item.num_draft_tokens else []
-                  for item, _ in chunks]
+        lengths = [item.num_draft_tokens for item, _ in chunks]
 
         # logits of the real rows only (the lm_head is the expensive part), then padded to K + 1 a row
         rows, padded = [], []
@@ -282,7 +342,10 @@ class SpecDecoder:
         tensors = tensors.select(torch.arange(bsz, device=device).repeat_interleave(width + 1))
         processed = raw
         if tensors.any_min_tokens or tensors.any_penalties:
-            # position j of a verify comes after drafts 1 .. j: they count as output there
+            # position j of a verify comes after drafts 1 .. j: they count as output there (on the host: waits
+            # for the drafts' copy)
+            drafts = [self.drafts[item.seq.seq_id].tokens[: item.num_draft_tokens] if item.num_draft_tokens else []
+                      for item, _ in chunks]
             history = [s.output_token_ids + d[:j] for s, d in zip(seqs, drafts) for j in range(width + 1)]
             outputs = pad_token_ids(history, device)
             if tensors.any_min_tokens:
@@ -292,8 +355,11 @@ class SpecDecoder:
                                         device)
                 processed = apply_penalties(processed, tensors, prompts, outputs)
 
-        num_drafts = to_device([len(d) for d in drafts], device)
-        draft_tokens = to_device([d + [0] * (width - len(d)) for d in drafts], device, torch.long).view(bsz, width)
+        num_drafts = to_device(lengths, device)
+        draft_tokens = torch.zeros(bsz * width, dtype=torch.long, device=device)
+        put_drafts(draft_tokens, [b * width + j for b, k in enumerate(lengths) for j in range(k)],
+                   [item for item, _ in chunks], self.drafts)
+        draft_tokens = draft_tokens.view(bsz, width)
         if tensors.all_greedy:
             result = greedy_verify(processed.argmax(dim=-1).view(bsz, width + 1), draft_tokens, num_drafts)
         else:
@@ -316,10 +382,10 @@ class SpecDecoder:
                         for b in range(bsz)]
 
         emitted = {}
-        for b, (seq, draft) in enumerate(zip(seqs, drafts)):
-            if draft:
-                self.stats.record(len(draft), accepted[b])
-            emitted[seq.seq_id] = Emitted(tokens[b][: accepted[b] + 1], len(draft), accepted[b],
+        for b, (seq, k) in enumerate(zip(seqs, lengths)):
+            if k:
+                self.stats.record(k, accepted[b])
+            emitted[seq.seq_id] = Emitted(tokens[b][: accepted[b] + 1], k, accepted[b],
                                           logprobs[b] if logprobs is not None else None)
         return emitted
 
@@ -338,7 +404,7 @@ class SpecDecoder:
             if draft.probs is not None:
                 q[b, :k] = draft.probs[:k]
             else:
-                q[b, torch.arange(k, device=device), to_device(draft.tokens[:k], device)] = 1.0
+                q[b, torch.arange(k, device=device), draft.device_tokens[:k]] = 1.0
         return q
 
     # -------------------------------------------------------------------------- propose
@@ -433,10 +499,11 @@ class SpecDecoder:
         probs[idx, step] = q
 
     def _keep(self, plan: _DraftPlan, tokens: torch.Tensor, probs: torch.Tensor | None) -> None:
-        """Hold tokens [B, >= max steps] (and probs) as each drafting sequence's next drafts."""
-        host = tokens.tolist()  # the drafts' host sync
+        """Hold tokens [B, >= max steps] (and probs) as each drafting sequence's next drafts. No host
+        sync: the next verify reads them on the device; their host copy travels meanwhile."""
+        host = _HostCopy(tokens)
         for b, (seq, k) in enumerate(zip(plan.seqs, plan.steps)):
-            self.drafts[seq.seq_id] = Draft(host[b][:k], None if probs is None else probs[b, :k])
+            self.drafts[seq.seq_id] = Draft(tokens[b, :k], None if probs is None else probs[b, :k], host, b)
 
     def _draft_graphs(self) -> DraftGraphs | None:
         """The draft graphs over the runner's graphs (None: the runner runs eagerly)."""
