@@ -4,7 +4,8 @@
 #   scripts/eval-megactx-tiny.sh [RUN] [OUT]     # default RUN=runs/tiny, OUT=RUN/eval
 #
 # Environment: PARTS (which of bpb,search,needles to run; default all), SEED (0), CASES (200 needle cases a task and context), CONTEXTS (needle contexts,
-# default 4k,16k,64k,128k,256k: the trained 64K and past it), BPB_CONTEXTS (1k,4k). Longer needle
+# default 4k,16k,64k,128k,256k: the trained 64K and past it), BPB_CONTEXTS (1k,4k), INDEX_CACHE_DTYPE
+# (the needles' indexer cache: fp8, the default on CUDA, or auto = exact, as training scores). Longer needle
 # contexts (512k, 1m) take minutes each: run them apart with `megactx eval needles --contexts`.
 #   1. held-out bits per byte at equal budget: IndexShare (sparse), DSA in every layer (sparse-dsa),
 #      dense (sparse-dense), and the shipped model after context extension and MTP training
@@ -43,6 +44,6 @@ if part needles; then
 stamp "needles"
 "$PY" -m megactx eval needles --model "${NEEDLE_MODEL:-$RUN/export/megactx-tiny}" --seed "$SEED" --cases "$CASES" \
   --contexts "${CONTEXTS:-4k,16k,64k,128k,256k}" --trained-length 65536 --batch-size 32 \
-  --max-num-batched-tokens 65536 --out "$OUT/needles"
+  --max-num-batched-tokens 65536 ${INDEX_CACHE_DTYPE:+--index-cache-dtype "$INDEX_CACHE_DTYPE"} --out "$OUT/needles"
 fi
 stamp "done: $PARTS"

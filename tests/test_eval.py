@@ -210,15 +210,18 @@ def test_eval_needles_command_runs_the_engine_and_writes_reports(checkpoint, dat
     out = tmp_path / "needles"
     code = main(["eval", "needles", "--model", str(checkpoint), "--contexts", "256", "--cases", "2", "--seed", "1",
                  "--tasks", "single", "--corpus", str(data.directory / "corpus"), "--out", str(out),
-                 "--device", "cpu", "--trained-length", "256", "--depth-buckets", "2"])
+                 "--device", "cpu", "--trained-length", "256", "--depth-buckets", "2", "--index-cache-dtype", "fp8"])
     assert code == 0, capsys.readouterr().err
     report = json.loads((out / "needles.json").read_text())
+    # the figure says what computed it: FP8 indexer keys change which keys a query selects
+    assert report["engine"] == "PyTorch twins of the kernels, MLA cache float32, indexer cache FP8"
     outcomes = report["outcomes"]
     assert len(outcomes) == 2 and all(o["context"] == 256 for o in outcomes)
     assert [o["correct"] for o in outcomes] == [o["output"].strip() == o["answer"] for o in outcomes]
     accuracy = report["results"]["single"]["per_context"]["256"]["accuracy"]
     assert accuracy == sum(o["correct"] for o in outcomes) / 2
     assert (out / "needles.md").read_text().startswith("# Needle retrieval")
+    assert "indexer cache FP8" in (out / "needles.md").read_text()
     assert (out / "needles.png").read_bytes()[:4] == b"\x89PNG"
 
 

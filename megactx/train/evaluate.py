@@ -275,6 +275,7 @@ class NeedleReport:
     threshold: float
     trained_length: int | None
     outcomes: list[NeedleOutcome] = field(default_factory=list)
+    engine: str = ""  # how the answers were computed (backend, cache formats): a figure depends on it
 
     def _select(self, task: str | None = None, context: int | None = None,
                 bucket: int | None = None) -> list[NeedleOutcome]:
@@ -322,7 +323,7 @@ class NeedleReport:
                        "passes": bool(within) and all(self.accuracy(None, c) >= self.threshold for c in within)}
         return {"model": self.model, "seed": self.seed, "contexts": self.contexts, "tasks": self.tasks,
                 "depth_buckets": self.depth_buckets, "threshold": self.threshold, "trained_length": trained,
-                "results": rows}
+                "engine": self.engine, "results": rows}
 
     def to_json(self) -> dict[str, Any]:
         return {**self.summary(), "outcomes": [asdict(o) for o in self.outcomes]}
@@ -330,7 +331,8 @@ class NeedleReport:
     def markdown(self) -> str:
         heads = " | ".join(context_label(c) for c in self.contexts)
         lines = [f"# Needle retrieval: {self.model}", "",
-                 f"seed {self.seed}; exact match; greedy; threshold {self.threshold:.0%}", "",
+                 f"seed {self.seed}; exact match; greedy; threshold {self.threshold:.0%}"
+                 + (f"; {self.engine}" if self.engine else ""), "",
                  f"| task | {heads} | holds up to |", "|---|" + "---:|" * (len(self.contexts) + 1)]
         summary = self.summary()
         for name, row in summary["results"].items():
@@ -399,7 +401,8 @@ def needle_cases(generator: NeedleGenerator, task: NeedleTask, context: int, num
 def evaluate_needles(answer: Answerer, generator: NeedleGenerator, tasks: Sequence[NeedleTask],
                      contexts: Sequence[int], num_cases: int, seed: int, model: str = "", batch_size: int = 8,
                      depth_buckets: int = DEFAULT_DEPTH_BUCKETS, threshold: float = DEFAULT_THRESHOLD,
-                     trained_length: int | None = None, log: Callable[[str], object] | None = None) -> NeedleReport:
+                     trained_length: int | None = None, log: Callable[[str], object] | None = None,
+                     engine: str = "") -> NeedleReport:
     """Run `num_cases` cases of every task at every context through `answer`, `batch_size` cases
     at a time (a 1M-token prompt is large: cases are made as they are needed), and score them by
     exact match."""
@@ -410,7 +413,7 @@ def evaluate_needles(answer: Answerer, generator: NeedleGenerator, tasks: Sequen
     if depth_buckets < 1:
         raise ValueError(f"--depth-buckets must be at least 1, got {depth_buckets}")
     report = NeedleReport(model, seed, sorted(contexts), [t.label for t in tasks], depth_buckets, threshold,
-                          trained_length)
+                          trained_length, engine=engine)
     depths = case_depths(num_cases)
     for context in report.contexts:
         for task in tasks:
@@ -491,8 +494,23 @@ def add_eval_parser(subparsers: Any) -> None:
     n.add_argument("--trained-length", type=int, default=None,
                    help="the model's trained context: the report says whether every context up to it passes")
     n.add_argument("--max-num-batched-tokens", type=int, default=8192, help="engine prefill chunk budget")
+    n.add_argument("--kv-cache-dtype", choices=("auto", "bf16", "fp8"), default="auto",
+                   help="MLA cache: auto (= the model's dtype), bf16 or fp8 (default auto)")
+    n.add_argument("--index-cache-dtype", choices=("auto", "fp8"), default=None,
+                   help="indexer keys (and queries): fp8 as production runs them, or auto (exact, the model's "
+                        "dtype, as training scores them) (default: fp8 on CUDA, auto on a CPU)")
     common(n, None)
     n.set_defaults(func=run_needles)
+
+
+def engine_description(llm) -> str:
+    """"triton kernels, MLA cache bf16, indexer cache FP8": what a needle figure was computed with."""
+    def name(dtype: torch.dtype) -> str:
+        return "FP8" if dtype == torch.uint8 else str(dtype).removeprefix("torch.")
+
+    cache = llm.runner.cache
+    kernels = "Triton kernels" if llm.backend == "triton" else "PyTorch twins of the kernels"
+    return f"{kernels}, MLA cache {name(cache.kv_dtype)}, indexer cache {name(cache.index_dtype)}"
 
 
 def _checkpoint_dir(model: str | Path) -> Path:
@@ -547,10 +565,11 @@ def run_needles(args: argparse.Namespace) -> int:
         corpus = held_out_corpus(Corpus.from_directory(args.corpus) if args.corpus else None)
         generator = needle_generator(args.model, "held_out", corpus)
         llm = LLM(args.model, device=args.device, max_model_len=max(contexts), max_num_seqs=args.batch_size,
-                  max_num_batched_tokens=args.max_num_batched_tokens)
+                  max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype,
+                  index_cache_dtype=args.index_cache_dtype)
         report = evaluate_needles(EngineAnswerer(llm), generator, tasks, contexts, args.cases, args.seed,
                                   str(args.model), args.batch_size, args.depth_buckets, args.threshold,
-                                  args.trained_length, log=print)
+                                  args.trained_length, log=print, engine=engine_description(llm))
     except (OSError, ValueError) as e:
         return _fail(str(e))
     print(report.markdown())
