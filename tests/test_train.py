@@ -222,6 +222,27 @@ def test_training_forward_equals_the_reference_forward(mode, seqlen, chunk_bytes
     assert (ours - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
+def test_fp8_selection_in_training_is_the_fp8_indexer_of_inference():
+    """select_fp8 (`megactx train --select-fp8`): the training forward selects as the reference does
+    with its FP8-simulated indexer (what the engine's FP8 indexer cache computes), not as with the
+    exact one."""
+    model = tie_free_model(micro_config())
+    ids = token_ids(2, 40)  # top-k 16 of 40: selection matters
+    outs = {}
+    for fp8 in (False, True):
+        attention = TrainingAttention(model, set(), set(), 6_000, select_fp8=fp8)
+        with torch.no_grad(), attention.installed(model):
+            outs[fp8] = model.compute_logits(model.hidden_states(ids))
+    try:
+        model.set_attention(indexer_fp8=True)
+        with torch.no_grad():
+            ref = model(ids)
+    finally:
+        model.set_attention(indexer_fp8=False)
+    assert (outs[True] - ref).abs().max() <= 1e-5 * ref.abs().max()
+    assert (outs[False] - ref).abs().max() > 1e-3 * ref.abs().max(), "FP8 selected the exact keys: no test"
+
+
 def _reference_attention(attn, x, cos, sin, positions, topk):
     """The reference layer's attention probabilities at its top-k slots: [B, H, S, K]."""
     from megactx.model.attention import causal_mask, topk_mask
@@ -727,3 +748,8 @@ def test_train_cli_overrides_reach_the_recipe():
             build_recipe(parse(["train", "--recipe", "tiny", "--stage-steps", bad]))
     with pytest.raises(ValueError, match="--pattern.*8 letters"):
         build_recipe(parse(["train", "--recipe", "tiny", "--pattern", "FSS"]))
+    from megactx.train.recipe import loss_config
+
+    recipe = build_recipe(parse(["train", "--recipe", "tiny", "--select-fp8"]))
+    assert recipe.select_fp8 and all(loss_config(recipe, kind).select_fp8 for kind in ("sparse", "extend", "mtp"))
+    assert not loss_config(tiny_recipe(), "sparse").select_fp8

@@ -54,6 +54,9 @@ def add_train_parser(subparsers: Any) -> None:
     p.add_argument("--mtp-loss", choices=("ce", "tv", "ce+tv"), default=None, help="MTP objective (default: ce)")
     p.add_argument("--mtp-share", action=argparse.BooleanOptionalAction, default=None,
                    help="IndexShare + KVShare across MTP steps (default: on)")
+    p.add_argument("--select-fp8", action="store_true",
+                   help="sparse stages select each query's keys from FP8-simulated indexer scores, as the serving "
+                        "engine's FP8 indexer cache does (the indexer KL still trains the exact scores)")
     p.add_argument("--copy-forms", default=None,
                    help="comma-separated forms the copy rows cycle through, of half (the row's first half "
                         "repeated) and window (a window repeated from a start drawn per row) (default: "
@@ -107,6 +110,8 @@ def build_recipe(args: argparse.Namespace):
         changes["mtp_share"] = args.mtp_share
     if args.copy_forms:
         changes["copy_forms"] = tuple(f.strip() for f in args.copy_forms.split(",") if f.strip())
+    if args.select_fp8:
+        changes["select_fp8"] = True
     if args.seed is not None:
         changes["seed"] = args.seed
     model: dict[str, Any] = {}

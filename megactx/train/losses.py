@@ -181,7 +181,9 @@ class TrainingAttention:
     whose indexer gets a KL loss: the warm-up KL on dense layers, the distillation KL over the
     selected keys on sparse ones, in both cases against the mean attention of every call that
     reused the layer's selection (its shared layers; MTP steps ≥ 2 under KVShare). chunk_bytes:
-    transient memory of one chunk.
+    transient memory of one chunk. select_fp8: select the top-k from FP8-simulated indexer scores
+    (`Indexer.scores(fp8=True)`: what the serving engine's FP8 indexer cache computes); the KL still
+    trains the exact scores, which FP8 only rounds.
 
     Rows are token indices: key row s is visible to query row t when s <= t, whatever the rope
     positions (MTP steps ≥ 2 rope at t + j − 1). A dense layer returns a top-k of width 0 so that
@@ -189,13 +191,14 @@ class TrainingAttention:
     """
 
     def __init__(self, model: Transformer, dense_layers: set[int], trained_indexers: set[int],
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, select_fp8: bool = False):
         self.layer_of = {id(attn): i for i, attn in enumerate(model.attention_modules())}
         for i in trained_indexers:
             if model.attention_modules()[i].indexer is None:
                 raise ValueError(f"trained_indexers names layer {i}, which has no indexer (a shared layer)")
         self.dense_layers, self.trained_indexers = set(dense_layers), set(trained_indexers)
         self.chunk_bytes = chunk_bytes
+        self.select_fp8 = select_fp8
         self._open: _Group | None = None
         self.indexer_losses: list[torch.Tensor] = []
 
@@ -291,7 +294,7 @@ class TrainingAttention:
         out = []
         for r0 in range(0, S, rows):
             r1 = min(S, r0 + rows)
-            scores = indexer.scores(q[:, r0:r1], w[:, r0:r1], k[:, :r1])  # [B, Q, r1]
+            scores = indexer.scores(q[:, r0:r1], w[:, r0:r1], k[:, :r1], fp8=self.select_fp8)  # [B, Q, r1]
             scores = scores.masked_fill(~_causal(r0, r1, r1, q.device), float("-inf"))
             idx = select_topk(scores, width)
             out.append(F.pad(idx, (0, width - idx.shape[-1]), value=-1))
@@ -480,6 +483,7 @@ class LossConfig:
     needle_weight: float = 1.0
     copy_weight: float = 1.0
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    select_fp8: bool = False  # sparse layers select with FP8-simulated indexer scores, as serving does
 
     def __post_init__(self) -> None:
         for name in ("attention", "mtp_attention"):
@@ -515,7 +519,7 @@ class Objective(nn.Module):
         dense = (set(range(n)) if cfg.attention == "dense" else set()) | (
             mtp_layers if cfg.mtp_attention == "dense" else set())
         trained = {"none": set(), "backbone": set(model.cfg.full_layers), "mtp": {n} if mtp_layers else set()}
-        self.attention = TrainingAttention(model, dense, trained[cfg.indexers], cfg.chunk_bytes)
+        self.attention = TrainingAttention(model, dense, trained[cfg.indexers], cfg.chunk_bytes, cfg.select_fp8)
 
     def forward(self, input_ids: torch.Tensor, loss_mask: torch.Tensor | None = None,
                 needle_rows: torch.Tensor | None = None,

@@ -120,7 +120,9 @@ class Recipe:
     and its tokenizer, whose vocabulary replaces the model's). attention: one of ATTENTION_VARIANTS
     (module docstring). mtp_steps: γ; mtp_loss: "ce", "tv" or "ce+tv"; mtp_share: IndexShare +
     KVShare across the MTP steps. copy_forms: the forms of COPY_FORMS the copy rows cycle through
-    (CodeSource). seed: the model's initialisation and the data's order, needles and copy windows."""
+    (CodeSource). seed: the model's initialisation and the data's order, needles and copy windows.
+    select_fp8: the sparse stages select keys as the serving engine's FP8 indexer cache does (the
+    indexers' KL still trains their exact scores)."""
 
     name: str
     model: ModelConfig
@@ -133,6 +135,7 @@ class Recipe:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     copy_forms: tuple[str, ...] = COPY_FORMS
     seed: int = 0
+    select_fp8: bool = False  # sparse layers select their top-k from FP8-simulated indexer scores
 
     def __post_init__(self) -> None:
         if not self.copy_forms or set(self.copy_forms) - set(COPY_FORMS):
@@ -221,13 +224,14 @@ def trained_kind(recipe: Recipe, index: int) -> str:
 
 
 def loss_config(recipe: Recipe, kind: str) -> LossConfig:
+    common = dict(chunk_bytes=recipe.chunk_bytes, select_fp8=recipe.select_fp8)
     mtp = dict(lm=False, attention="sparse", indexers="mtp", mtp_steps=recipe.mtp_steps, mtp_loss=recipe.mtp_loss,
-               mtp_share=recipe.mtp_share, chunk_bytes=recipe.chunk_bytes)
+               mtp_share=recipe.mtp_share, **common)
     return {
-        "dense": LossConfig(lm=True, attention="dense", chunk_bytes=recipe.chunk_bytes),
-        "warmup": LossConfig(lm=False, attention="dense", indexers="backbone", chunk_bytes=recipe.chunk_bytes),
-        "sparse": LossConfig(lm=True, attention="sparse", indexers="backbone", chunk_bytes=recipe.chunk_bytes),
-        "extend": LossConfig(lm=True, attention="sparse", indexers="backbone", chunk_bytes=recipe.chunk_bytes),
+        "dense": LossConfig(lm=True, attention="dense", **common),
+        "warmup": LossConfig(lm=False, attention="dense", indexers="backbone", **common),
+        "sparse": LossConfig(lm=True, attention="sparse", indexers="backbone", **common),
+        "extend": LossConfig(lm=True, attention="sparse", indexers="backbone", **common),
         "mtp_warmup": LossConfig(**mtp, mtp_attention="dense"),
         "mtp": LossConfig(**mtp, mtp_attention="sparse"),
     }[kind]
