@@ -291,4 +291,5 @@ def test_the_whole_benchmark_runs_on_a_gpu(ckpt, tmp_path):
         (e, b) for e in (MEGACTX, TRANSFORMERS) for b in (1, 4)}
     assert all(d["output_tokens"] == d["batch"] * 8 for d in results["offline"])
     assert results["online"]["output_tokens"] == 8 * 8
+    assert results["online_engine_process"]["output_tokens"] == 8 * 8  # the server with its engine in a process
     assert write_reports(results, tmp_path)[0].name == f"engine-{device_slug(results['machine'])}.json"
