@@ -13,7 +13,7 @@ what `generate`, `stream` and the HTTP server build on.
 Overlapped steps (`async_scheduling`, the default on CUDA without speculative decoding): a small
 model's step is mostly host work (scheduling, filling the inputs, detokenizing, stop checks), so
 the engine does not wait for a step's tokens before it schedules the next. Each sampled token goes
-into its sequence as PENDING_TOKEN; the next step reads the real one from the device (`Inject`)
+into its sequence as PENDING_TOKEN; the next step reads the real one from the device (`DeviceTokens`)
 while the host copy travels, and `step()` emits the tokens of the step before, once launched the
 next. The scheduler counts pending tokens, so a sequence ended by count is not scheduled past its
 end; one ended by a token it cannot see yet (EOS, a stop string) computes one token more, dropped.
@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from megactx.engine.block_manager import BlockManager
-from megactx.engine.model_runner import CacheConfig, Inject, ModelRunner, plan_num_blocks
+from megactx.engine.model_runner import CacheConfig, DeviceTokens, ModelRunner, plan_num_blocks
 from megactx.engine.sampler import Sampler, SamplingBatch, SamplingTensorsCache, make_generator, pad_token_ids
 from megactx.engine.sampling_params import SamplingParams, check_stop
 from megactx.engine.scheduler import Scheduler, SchedulerConfig
@@ -46,7 +46,7 @@ from megactx.engine.sequence import Sequence as Seq
 from megactx.engine.spec_decode import DRAFT_ACCEPTANCE, MTP_MODES, SpecConfig, SpecDecoder, SpecDecodeStats
 from megactx.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from megactx.kernels.reference import BLOCK_SIZE
-from megactx.model.paged import cache_bytes_per_token, resolve_cache_dtype
+from megactx.model.paged import HostCopy, cache_bytes_per_token, resolve_cache_dtype, to_device
 from megactx.model.transformer import Transformer
 
 log = logging.getLogger("megactx")
@@ -132,8 +132,7 @@ class _Pending:
     seqs: list[Seq]  # the sequences that sampled, in row order
     rows: dict[int, int]  # seq_id -> row
     tokens: torch.Tensor  # [S] int64, on the device
-    host: list[torch.Tensor]  # tokens (+ chosen logprobs, top logprobs, top ids) on their way to the host
-    event: torch.cuda.Event | None  # recorded after the copies (CUDA)
+    host: HostCopy  # tokens (+ chosen logprobs, top logprobs, top ids) on their way to the host
     positions: dict[int, int] = field(default_factory=dict)  # seq_id -> where its PENDING_TOKEN sits
 
     @classmethod
@@ -141,22 +140,11 @@ class _Pending:
         values = [result.tokens]
         if result.logprobs is not None:
             values += [result.logprobs, result.top_logprobs, result.top_token_ids]
-        event = None
-        if result.tokens.is_cuda:
-            host = [torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for v in values]
-            for h, v in zip(host, values):
-                h.copy_(v, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        else:
-            host = values
-        return cls(seqs, {seq.seq_id: row for row, seq in enumerate(seqs)}, result.tokens, host, event)
+        return cls(seqs, {seq.seq_id: row for row, seq in enumerate(seqs)}, result.tokens, HostCopy(*values))
 
     def fetch(self) -> tuple[list[int], list[float] | None, list[list[float]] | None, list[list[int]] | None]:
         """Wait for the copies -> tokens, and if any row asked: chosen logprobs, top logprobs, top ids."""
-        if self.event is not None:
-            self.event.synchronize()
-        lists = [h.tolist() for h in self.host]
+        lists = self.host.lists()
         return (lists[0], None, None, None) if len(lists) == 1 else tuple(lists)
 
 
@@ -375,13 +363,16 @@ class LLM:
         if out.is_empty:
             return self._resolve()  # the last step's tokens
         self.stats.steps += 1
-        inject = None
+        fed = None
         if (pending := self._pending) is not None:  # decodes whose input is the last step's token
-            fed = [(i, pending.rows[item.seq.seq_id]) for i, item in enumerate(out.scheduled)
-                   if item.seq.seq_id in pending.rows and item.end == item.seq.num_tokens
-                   and item.seq.token_ids[-1] == PENDING_TOKEN]
-            inject = Inject([i for i, _ in fed], [r for _, r in fed], pending.tokens) if fed else None
-        logits = self.runner.execute(out.scheduled, inject)  # [R, V]
+            ends = itertools.accumulate(item.num_tokens for item in out.scheduled)  # past each chunk's last token
+            last = [(end - 1, pending.rows[item.seq.seq_id]) for end, item in zip(ends, out.scheduled)
+                    if item.seq.seq_id in pending.rows and item.end == item.seq.num_tokens
+                    and item.seq.token_ids[-1] == PENDING_TOKEN]
+            if last:
+                rows = to_device([r for _, r in last], self.device)
+                fed = DeviceTokens([t for t, _ in last], pending.tokens.index_select(0, rows))
+        logits = self.runner.execute(out.scheduled, fed)  # [R, V]
         seqs = [item.seq for item in out.scheduled if item.samples]
         deltas = None
         if seqs:

@@ -156,7 +156,7 @@ class ModelRunner:
     def layer_caches(self, batch: PagedBatch) -> list[PagedLayerCache]:
         return [PagedLayerCache(kv, index, batch, self.ops) for kv, index in self.caches[: self.cfg.num_hidden_layers]]
 
-    def prepare(self, scheduled: list[ScheduledSeq], inject: Inject | None = None
+    def prepare(self, scheduled: list[ScheduledSeq], device_tokens: DeviceTokens | None = None
                 ) -> tuple[torch.Tensor, PagedBatch, torch.Tensor]:
         """-> input_ids [1, T], the batch metadata, and the rows [R] of the chunks that sample
         (each chunk's last token), in scheduled order."""
@@ -166,49 +166,50 @@ class ModelRunner:
         ends = torch.tensor([item.num_tokens for item in scheduled]).cumsum(0) - 1
         rows = ends[[i for i, item in enumerate(scheduled) if item.samples]]
         input_ids = to_device(ids, self.device, torch.long)
-        inject_tokens(input_ids, ends, inject)
+        if device_tokens is not None:
+            device_tokens.put(input_ids)
         return input_ids[None], batch, to_device(rows, self.device)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq], inject: Inject | None = None) -> torch.Tensor:
+    def execute(self, scheduled: list[ScheduledSeq], device_tokens: DeviceTokens | None = None) -> torch.Tensor:
         """Compute the step's chunks (writing their KV) -> logits [R, vocab] fp32 of the chunks
-        that sample, in scheduled order. inject: chunks whose last token is still on the device
-        (sampled by the step before, see `Inject`)."""
+        that sample, in scheduled order. device_tokens: the step's tokens that are still on the
+        device (sampled by the step before)."""
         if self.graphs is not None and all(item.num_tokens == 1 and item.samples for item in scheduled):
             logits = self.graphs.forward("decode", [item.seq.block_table for item in scheduled],
                                          [item.start for item in scheduled],
-                                         [[item.seq.token_ids[item.start]] for item in scheduled], inject=inject)
+                                         [[item.seq.token_ids[item.start]] for item in scheduled],
+                                         device_tokens=device_tokens)
             if logits is not None:
                 return logits
         elif self.graphs is not None:
             logits = self.graphs.forward_mixed([item.seq.block_table for item in scheduled],
                                                [item.start for item in scheduled],
                                                [item.seq.token_ids[item.start : item.end] for item in scheduled],
-                                               [i for i, item in enumerate(scheduled) if item.samples], inject)
+                                               [i for i, item in enumerate(scheduled) if item.samples],
+                                               device_tokens)
             if logits is not None:
                 return logits
-        input_ids, batch, rows = self.prepare(scheduled, inject)
+        input_ids, batch, rows = self.prepare(scheduled, device_tokens)
         hidden = self.model.hidden_states(input_ids, batch.positions[None], self.layer_caches(batch))[0]  # [T, D]
         return self.model.compute_logits(hidden.index_select(0, rows))
 
 
 @dataclass
-class Inject:
-    """Tokens a step reads from the device: the last token of chunk items[j] is tokens[rows[j]],
-    sampled by the step before and not on the host yet (the engine's overlapped steps)."""
+class DeviceTokens:
+    """A step's input tokens that are on the device, not the host: the step's token positions[j]
+    (counted in its flattened order, chunk after chunk) is values[j]. The host's copy of the step's
+    tokens holds placeholders there. (Tokens the step before sampled, with overlapped steps; the
+    draft tokens a speculative verify checks.)"""
 
-    items: list[int]  # indices into the step's scheduled chunks
-    rows: list[int]  # rows of `tokens`
-    tokens: torch.Tensor  # [S] int64 on the device
+    positions: list[int]
+    values: torch.Tensor  # [J] int64 on the device
 
-
-def inject_tokens(input_ids: torch.Tensor, last_rows: torch.Tensor, inject: Inject | None) -> None:
-    """input_ids [T] (device): the rows last_rows[items] (host int64, each chunk's last row) take
-    their tokens from the device."""
-    if inject is None or not inject.items:
-        return
-    rows = to_device(last_rows[inject.items], input_ids.device)
-    input_ids.index_copy_(0, rows, inject.tokens.index_select(0, to_device(inject.rows, input_ids.device)))
+    def put(self, input_ids: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Write them into input_ids [rows] (device); rows: [T] host int64, the row of each of the
+        step's tokens (a graph's static layout), None when token t sits in row t."""
+        at = self.positions if rows is None else rows[self.positions]
+        input_ids.index_copy_(0, to_device(at, input_ids.device), self.values)
 
 
 # ---------------------------------------------------------------------------------- graphs
@@ -354,11 +355,10 @@ class StaticBatch:
         return rows
 
     def fill_ragged(self, table: torch.Tensor, starts: Sequence[int], token_ids: Sequence[Sequence[int]],
-                    rows: int, samples: Sequence[int]) -> torch.Tensor:
+                    rows: int, samples: Sequence[int]) -> None:
         """The ragged form of fill(): sequence b's tokens take the next len(token_ids[b]) rows, the
         rows after the last sequence's up to `rows` (the row bucket) are padding; sample_rows[j]
-        is the last row of sequence samples[j] (the chunks whose last token samples). -> every
-        sequence's last row [len(starts)] int64 (host)."""
+        is the last row of sequence samples[j] (the chunks whose last token samples)."""
         counts = torch.tensor([len(ids) for ids in token_ids])
         n = int(counts.sum())
         assert self.ragged and n <= rows <= self.input_ids.shape[0], f"{n} tokens in a batch of {rows} rows"
@@ -376,11 +376,9 @@ class StaticBatch:
         copy_from_host_(self.slots[:rows], torch.where(real, slots_of(table[seq], pos[:, None])[:, 0], -1))
         copy_from_host_(self.key_len[:rows], torch.where(real, pos + 1, 0).int())
         copy_from_host_(self.block_table[: table.shape[0], : table.shape[1]], table)
-        last = first + counts - 1
         sample_rows = torch.zeros(self.sample_rows.shape[0], dtype=torch.long)
-        sample_rows[: len(samples)] = last[list(samples)]
+        sample_rows[: len(samples)] = (first + counts - 1)[list(samples)]
         copy_from_host_(self.sample_rows, sample_rows)
-        return last
 
 
 class StepGraphs:
@@ -443,8 +441,8 @@ class StepGraphs:
 
     @torch.inference_mode()
     def forward(self, kind: str, tables: Sequence[Sequence[int]], starts: Sequence[int],
-                token_ids: Sequence[Sequence[int]], q: int = 1, inject: Inject | None = None,
-                fill: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> torch.Tensor | None:
+                token_ids: Sequence[Sequence[int]], q: int = 1,
+                device_tokens: DeviceTokens | None = None) -> torch.Tensor | None:
         """The target over B sequences, sequence b computing tokens token_ids[b] (1 to q of them)
         at positions starts[b] .. over its blocks tables[b], from the graph of `kind` ("decode":
         q = 1 and logits out; "verify": final-normed hidden states out) -> logits [T, V] fp32 or
@@ -459,10 +457,8 @@ class StepGraphs:
         graph = self.captured((kind, bs, max_keys), lambda: self._target(batch, bs, max_keys, kind == "decode"),
                               batch.clear)
         rows = batch.fill(host_block_table(tables, bs), starts, token_ids)
-        if inject is not None:
-            inject_tokens(batch.input_ids, rows[torch.tensor([len(ids) for ids in token_ids]).cumsum(0) - 1], inject)
-        if fill is not None:  # fill(input_ids, rows): the caller's tokens that are on the device
-            fill(batch.input_ids, rows)
+        if device_tokens is not None:
+            device_tokens.put(batch.input_ids, rows)
         graph.replay()
         if q == 1:
             return graph.outputs[: len(tables)]
@@ -471,7 +467,7 @@ class StepGraphs:
     @torch.inference_mode()
     def forward_mixed(self, tables: Sequence[Sequence[int]], starts: Sequence[int],
                       token_ids: Sequence[Sequence[int]], samples: Sequence[int],
-                      inject: Inject | None = None) -> torch.Tensor | None:
+                      device_tokens: DeviceTokens | None = None) -> torch.Tensor | None:
         """Any step (prefill chunks, decodes, both) as a ragged batch: sequence b computes tokens
         token_ids[b] at positions starts[b] .. over its blocks tables[b] -> logits [S, V] fp32 of
         the last token of sequences samples[0 .. S-1] (a view of a static buffer, as forward's);
@@ -485,8 +481,9 @@ class StepGraphs:
             return None
         batch = self.static_batch("mixed", 1, self.row_buckets[-1])
         graph = self.captured(("mixed", rows, keys), lambda: self._mixed(batch, rows, keys), batch.clear)
-        last = batch.fill_ragged(host_block_table(tables, len(tables)), starts, token_ids, rows, samples)
-        inject_tokens(batch.input_ids, last, inject)
+        batch.fill_ragged(host_block_table(tables, len(tables)), starts, token_ids, rows, samples)
+        if device_tokens is not None:  # ragged rows: token t sits in row t
+            device_tokens.put(batch.input_ids)
         graph.replay()
         return graph.outputs[: len(samples)]
 

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from megactx.config import ModelConfig
+from megactx.engine.model_runner import DeviceTokens
 from megactx.engine.rejection_sampler import draw_uniforms, greedy_verify, rejection_sample
 from megactx.engine.sampler import (
     SamplingTensors,
@@ -66,7 +67,15 @@ from megactx.engine.scheduler import ScheduledSeq
 from megactx.engine.sequence import Sequence as Seq
 from megactx.engine.sequence import SequenceStatus
 from megactx.kernels.reference import BLOCK_SIZE
-from megactx.model.paged import PagedBatch, PagedLayerCache, copy_from_host_, host_block_table, slots_of, to_device
+from megactx.model.paged import (
+    HostCopy,
+    PagedBatch,
+    PagedLayerCache,
+    copy_from_host_,
+    host_block_table,
+    slots_of,
+    to_device,
+)
 
 if TYPE_CHECKING:
     from megactx.engine.model_runner import ModelRunner, StepGraphs
@@ -157,8 +166,8 @@ class Draft:
 
     device_tokens: torch.Tensor
     probs: torch.Tensor | None = None
-    host: _HostCopy | None = None  # the drafting's copy to the host, and this draft's row in it
-    row: int = 0
+    host: HostCopy | None = None  # the drafting's copy of its [B, steps] tokens to the host
+    row: int = 0  # this draft's row in it
 
     @property
     def num_tokens(self) -> int:
@@ -168,30 +177,7 @@ class Draft:
     def tokens(self) -> list[int]:
         if self.host is None:
             return self.device_tokens.tolist()
-        return self.host.rows()[self.row][: self.num_tokens]
-
-
-class _HostCopy:
-    """A device tensor's copy to pinned host memory, queued behind the work that made it; rows()
-    waits for it (once)."""
-
-    def __init__(self, values: torch.Tensor):
-        self._event = None
-        if values.is_cuda:
-            self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-            self._host.copy_(values, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-        else:
-            self._host = values
-        self._rows: list[list[int]] | None = None
-
-    def rows(self) -> list[list[int]]:
-        if self._rows is None:
-            if self._event is not None:
-                self._event.synchronize()
-            self._rows = self._host.tolist()
-        return self._rows
+        return self.host.lists()[0][self.row][: self.num_tokens]
 
 
 @dataclass
@@ -207,31 +193,30 @@ class Emitted:
 
 # ------------------------------------------------------------------------------ runner functions
 def forward_positions(runner: ModelRunner, scheduled: Sequence[ScheduledSeq],
-                      drafts: Mapping[int, Draft]) -> torch.Tensor:
+                      drafts: DeviceTokens | None) -> torch.Tensor:
     """The target over the step's chunks, each its known tokens then its draft tokens (slots were
-    reserved by the scheduler), writing their KV. -> final-normed hidden states [T, D], chunk after
-    chunk, T = Σ num_positions."""
-    ids, draft_rows = [], []
+    reserved by the scheduler; the drafts on the device: `draft_tokens`), writing their KV. ->
+    final-normed hidden states [T, D], chunk after chunk, T = Σ num_positions."""
+    ids = []
     for item in scheduled:
-        ids += item.seq.token_ids[item.start : item.end]
-        draft_rows += range(len(ids), len(ids) + item.num_draft_tokens)
-        ids += [0] * item.num_draft_tokens  # the drafts themselves come from the device
+        ids += item.seq.token_ids[item.start : item.end] + [0] * item.num_draft_tokens
     batch = PagedBatch.build([item.seq.block_table for item in scheduled], [item.start for item in scheduled],
                              [item.num_positions for item in scheduled], runner.device)
     input_ids = to_device(ids, runner.device, torch.long)
-    put_drafts(input_ids, draft_rows, scheduled, drafts)
+    if drafts is not None:
+        drafts.put(input_ids)
     return runner.model.hidden_states(input_ids[None], batch.positions[None], runner.layer_caches(batch))[0]
 
 
-def put_drafts(input_ids: torch.Tensor, rows: list[int], scheduled: Sequence[ScheduledSeq],
-               drafts: Mapping[int, Draft]) -> None:
-    """input_ids [T] (device): rows (host, in order) take the scheduled chunks' draft tokens, which
-    never left the device: one gather of every chunk's draft tokens, one scatter."""
-    if not rows:
-        return
-    values = torch.cat([drafts[item.seq.seq_id].device_tokens[: item.num_draft_tokens]
-                        for item in scheduled if item.num_draft_tokens])
-    input_ids.index_copy_(0, to_device(rows, input_ids.device), values)
+def draft_tokens(items: Sequence[ScheduledSeq], drafts: Mapping[int, Draft],
+                 positions: Callable[[int, int], int]) -> DeviceTokens | None:
+    """The draft tokens the chunks `items` verify, which never left the device: draft j of items[b]
+    at position positions(b, j). None when no chunk verifies drafts."""
+    at = [positions(b, j) for b, item in enumerate(items) for j in range(item.num_draft_tokens)]
+    if not at:
+        return None
+    return DeviceTokens(at, torch.cat([drafts[item.seq.seq_id].device_tokens[: item.num_draft_tokens]
+                                       for item in items if item.num_draft_tokens]))
 
 
 def mtp_forward(runner: ModelRunner, hidden: torch.Tensor, next_tokens: torch.Tensor, batch: PagedBatch,
@@ -257,11 +242,6 @@ def mtp_forward(runner: ModelRunner, hidden: torch.Tensor, next_tokens: torch.Te
 def draft_logits(model: Transformer, mtp_hidden: torch.Tensor) -> torch.Tensor:
     """MTP output hidden states [T, D] -> draft logits [T, V] fp32 (shared_head.norm, then the lm_head)."""
     return model.compute_logits(model.mtp[0].shared_head.norm(mtp_hidden))
-
-
-def _chunk_offsets(ids: Sequence[Sequence[int]]) -> list[int]:
-    """Each token's index inside its chunk, chunk after chunk (0 = the known token, then the drafts)."""
-    return [j for chunk in ids for j in range(len(chunk))]
 
 
 def _offsets(scheduled: Sequence[ScheduledSeq]) -> list[int]:
@@ -300,18 +280,17 @@ class SpecDecoder:
 
     def forward(self, scheduled: Sequence[ScheduledSeq]) -> torch.Tensor:
         """The step's target forward over known and draft tokens -> hidden states [T, D]."""
+        offsets = _offsets(scheduled)  # each chunk's drafts follow its known tokens
+        drafts = draft_tokens(scheduled, self.drafts, lambda b, j: offsets[b] + scheduled[b].num_tokens + j)
         graphs = self.runner.graphs
         if graphs is not None and all(item.num_tokens == 1 and item.samples for item in scheduled):
-            # the drafts' places hold 0 here: put_drafts fills them from the device
-            ids = [[item.seq.token_ids[item.start]] + [0] * item.num_draft_tokens for item in scheduled]
+            ids = [[item.seq.token_ids[item.start]] + [0] * item.num_draft_tokens for item in scheduled]  # 0: drafts
             hidden = graphs.forward("verify", [item.seq.block_table for item in scheduled],
                                     [item.start for item in scheduled], ids, q=self.config.num_speculative_tokens + 1,
-                                    fill=lambda input_ids, rows: put_drafts(
-                                        input_ids, [r for r, j in zip(rows.tolist(), _chunk_offsets(ids)) if j],
-                                        scheduled, self.drafts))
+                                    device_tokens=drafts)
             if hidden is not None:
                 return hidden
-        return forward_positions(self.runner, scheduled, self.drafts)
+        return forward_positions(self.runner, scheduled, drafts)
 
     # -------------------------------------------------------------------------- verify
     @torch.inference_mode()
@@ -356,17 +335,17 @@ class SpecDecoder:
                 processed = apply_penalties(processed, tensors, prompts, outputs)
 
         num_drafts = to_device(lengths, device)
-        draft_tokens = torch.zeros(bsz * width, dtype=torch.long, device=device)
-        put_drafts(draft_tokens, [b * width + j for b, k in enumerate(lengths) for j in range(k)],
-                   [item for item, _ in chunks], self.drafts)
-        draft_tokens = draft_tokens.view(bsz, width)
+        drafted = torch.zeros(bsz * width, dtype=torch.long, device=device)  # [B, K], 0-padded
+        if (held := draft_tokens([item for item, _ in chunks], self.drafts, lambda b, j: b * width + j)) is not None:
+            held.put(drafted)
+        drafted = drafted.view(bsz, width)
         if tensors.all_greedy:
-            result = greedy_verify(processed.argmax(dim=-1).view(bsz, width + 1), draft_tokens, num_drafts)
+            result = greedy_verify(processed.argmax(dim=-1).view(bsz, width + 1), drafted, num_drafts)
         else:
             gens = [generators.get(s.seq_id) for s in seqs]
             # γ draws a row whatever this batch's K, so a seeded request's draws do not depend on the batch
             uniforms = draw_uniforms(bsz, self.config.num_speculative_tokens, device, gens, self.shared_generator)
-            result = rejection_sample(process_logits(processed, tensors).view(bsz, width + 1, vocab), draft_tokens,
+            result = rejection_sample(process_logits(processed, tensors).view(bsz, width + 1, vocab), drafted,
                                       self._draft_probs(chunks, width), num_drafts, uniforms[:, :width], gens,
                                       self.shared_generator)
         tokens, accepted = result.tokens.tolist(), result.num_accepted.tolist()  # the step's host sync
@@ -501,7 +480,7 @@ class SpecDecoder:
     def _keep(self, plan: _DraftPlan, tokens: torch.Tensor, probs: torch.Tensor | None) -> None:
         """Hold tokens [B, >= max steps] (and probs) as each drafting sequence's next drafts. No host
         sync: the next verify reads them on the device; their host copy travels meanwhile."""
-        host = _HostCopy(tokens)
+        host = HostCopy(tokens)
         for b, (seq, k) in enumerate(zip(plan.seqs, plan.steps)):
             self.drafts[seq.seq_id] = Draft(tokens[b, :k], None if probs is None else probs[b, :k], host, b)
 

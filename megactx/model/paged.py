@@ -71,6 +71,30 @@ def copy_from_host_(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     return dst.copy_(src.pin_memory() if dst.is_cuda and src.device.type == "cpu" else src, non_blocking=True)
 
 
+class HostCopy:
+    """Device tensors' copies to the host, queued behind the work that makes them (pinned memory and
+    an event on CUDA), so the host need not wait now; lists() waits for them, once, -> each as
+    tolist()."""
+
+    def __init__(self, *values: torch.Tensor):
+        self._event = None
+        if values and values[0].is_cuda:
+            self._host = [torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v, non_blocking=True)
+                          for v in values]
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = list(values)
+        self._lists: list[list] | None = None
+
+    def lists(self) -> list[list]:
+        if self._lists is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._lists = [h.tolist() for h in self._host]
+        return self._lists
+
+
 def host_block_table(tables: Sequence[Sequence[int]], bsz: int) -> torch.Tensor:
     """Block tables of the first len(tables) of bsz sequences -> [bsz, width] int32 on the host,
     0-padded; width = the longest table (at least 1)."""
