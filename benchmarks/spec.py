@@ -425,7 +425,8 @@ class SpecBench:
         spec = dict(num_speculative_tokens=gamma, mtp_mode=rung.mtp_mode,
                     draft_acceptance=rung.draft_acceptance) if rung else {}
         return LLM(self.model_for(rung), device=self.s.device, dtype=self.s.dtype, max_model_len=self.max_model_len,
-                   max_num_seqs=max(self.s.batches), num_blocks=num_blocks, seed=self.s.seed, **spec)
+                   max_num_seqs=max(self.s.batches), num_blocks=num_blocks, seed=self.s.seed,
+                   warm_up=False, **spec)  # every measurement has an untimed run of its own shape first
 
     def measure(self, llm, gamma: int, rung: Rung | None, batch: int) -> SpecFigures:
         """One warm-up and `reps` timed runs of `batch` prompts on one engine."""

@@ -219,7 +219,7 @@ def needle_demo(model: Transformer, path: Path, generator: NeedleGenerator, cont
 
     case = next(needle_cases(generator, STANDARD_TASKS["single"], context, 1, seed))
     llm = LLM(model, tokenizer=path, device=device, max_model_len=context, max_num_seqs=1,
-              max_num_batched_tokens=prefill_chunk)
+              max_num_batched_tokens=prefill_chunk, warm_up=False)  # one request: nothing to warm up for
     start = time.perf_counter()
     output = EngineAnswerer(llm)([case])[0]
     seconds = time.perf_counter() - start
@@ -279,7 +279,7 @@ def completion_demo(model: Transformer, path: Path, prompt: str, max_tokens: int
 
     def complete(num_speculative_tokens: int, out: TextIO) -> tuple[Completion, float]:
         llm = LLM(model, tokenizer=path, device=device, max_model_len=max_model_len, max_num_seqs=1,
-                  num_speculative_tokens=num_speculative_tokens)
+                  num_speculative_tokens=num_speculative_tokens, warm_up=False)
         done = stream_completion(llm, prompt_ids, params, out)
         stats = llm.stats.spec_decode
         return done, stats.mean_acceptance_length if stats else 0.0

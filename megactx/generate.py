@@ -282,7 +282,8 @@ def run_generate(args: argparse.Namespace, stdin: TextIO | None = None, stdout: 
                                        args.max_model_len)
         with cpu_threads(args.threads, device):
             start = time.perf_counter()
-            llm = LLM(path, device=device, dtype=dtype, max_model_len=max_model_len, max_num_seqs=1)
+            # one request: a warm-up of every step shape would take longer than the shapes it meets
+            llm = LLM(path, device=device, dtype=dtype, max_model_len=max_model_len, max_num_seqs=1, warm_up=False)
             dtype_name = str(llm.model.dtype).removeprefix("torch.")
             say(f"loaded {path} on {llm.device} ({dtype_name}) in {time.perf_counter() - start:.1f} s")
             done = stream_completion(llm, prompt_ids, params, stdout)

@@ -313,6 +313,30 @@ def test_graphed_mixed_steps_equal_eager_steps(model):
     assert len({rows for _, rows, _ in mixed}) >= 2 and len({keys for _, _, keys in mixed}) >= 2, mixed
 
 
+@pytest.mark.usefixtures("one_torch_thread")
+def test_warm_up_meets_every_bucket_and_leaves_the_engine_as_new(model):
+    """warm_up (on by default on CUDA) replays a decode step of every batch bucket and a mixed step
+    of every row bucket the token budget reaches; after it the engine holds no request, block,
+    prefix-cache entry or count, and generates what an engine that did not warm up generates."""
+    # prompts of at most 97 tokens: the 128-row steps take two
+    kwargs = dict(device="cpu", max_num_seqs=4, num_blocks=40, max_num_batched_tokens=128, max_model_len=100,
+                  warm_up=False)
+    cold, warm = LLM(model, **kwargs), LLM(model, **kwargs)
+    graphs = warm.runner.use_graphs(EagerCapture(), min_keys=64)
+    warm.warm_up()
+    assert {bs for kind, bs, _ in graphs.graphs if kind == "decode"} == set(graphs.batch_buckets)
+    assert {rows for kind, rows, _ in graphs.graphs if kind == "mixed"} == {32, 64, 128}
+    bm = warm.block_manager
+    assert not warm.requests and not warm.has_unfinished()
+    assert bm.num_used_blocks == 0 and bm.num_cached_blocks == 0 and bm.prefix_cache_queries == 0
+    assert warm.stats.steps == warm.stats.prompt_tokens == warm.stats.generation_tokens == 0
+    prompts = _prompts([40, 70, 3, 90])
+    params = [SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+              SamplingParams(temperature=1.0, max_tokens=9, seed=2, ignore_eos=True)] * 2
+    assert ([o.token_ids for o in warm.generate(prompts, params, use_tqdm=False)]
+            == [o.token_ids for o in cold.generate(prompts, params, use_tqdm=False)])
+
+
 @pytest.mark.gpu
 def test_cuda_graph_decode_matches_eager_decode(model):
     """Decode steps replayed from CUDA graphs (several batch and key-count buckets, padded rows)

@@ -115,6 +115,17 @@ class BlockManager:
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every registered block that no sequence holds, and the hit counts (the engine's
+        warm-up; a benchmark between runs). Blocks that sequences hold stay registered."""
+        for block_id in self._free_cached:
+            block = self.blocks[block_id]
+            del self._hash_to_block[block.hash]
+            block.hash, block.token_ids = None, ()
+            self._free_uncached.append(block_id)
+        self._free_cached.clear()
+        self.prefix_cache_queries = self.prefix_cache_hits = 0
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

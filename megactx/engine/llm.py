@@ -190,6 +190,9 @@ class LLM:
     stop checks; scheduling and filling in the next) with the device's work on the step in flight,
     which reads its input tokens from the device (default: on CUDA without speculative decoding).
     A sequence that a token ends (EOS, a stop string) then computes one token more, dropped.
+
+    warm_up: before the first request, run the step shapes that serving meets (see `warm_up`), so
+    that no request waits for a CUDA graph capture or a Triton compile (default: on CUDA).
     """
 
     def __init__(self, model: str | Path | Transformer, *, tokenizer: str | Path | None = None,
@@ -199,7 +202,7 @@ class LLM:
                  cpu_cache_bytes: int = 4 << 30, num_blocks: int | None = None, enable_prefix_caching: bool = True,
                  chunked_prefill: bool = True, cuda_graphs: bool = True, num_speculative_tokens: int = 0,
                  mtp_mode: str = "auto", draft_acceptance: str = "rejection", seed: int = 0,
-                 async_scheduling: bool | None = None):
+                 async_scheduling: bool | None = None, warm_up: bool | None = None):
         if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be an int >= 0 (0 = no speculative decoding), "
                              f"got {num_speculative_tokens!r}")
@@ -271,6 +274,8 @@ class LLM:
             self.spec = SpecDecoder(self.runner, spec, self.cfg.vocab_size, self.eos_token_ids, self.sampler.generator)
             self.stats.spec_decode = self.spec.stats
         log.info("megactx engine: %s", self.memory_report())
+        if on_cuda if warm_up is None else warm_up:
+            self.warm_up()
 
     # ---------------------------------------------------------------------------- reports
     def memory_report(self) -> str:
@@ -281,6 +286,45 @@ class LLM:
         return (f"{cache.num_blocks} KV blocks = {cache.num_blocks * 64} tokens, {self.runner.cache_bytes / 2**20:.1f} "
                 f"MiB; {per_token} B a token ({len(cfg.full_layers)} of {cfg.num_hidden_layers} layers keep an "
                 f"indexer cache; an indexer in every layer would take {every} B a token)")
+
+    def warm_up(self) -> None:
+        """Run, on dummy requests, the step shapes that traffic meets, then forget them: steps of
+        every row bucket of the mixed graphs up to the token budget; eager steps of the whole budget,
+        once with every length a multiple of 16 and once odd (Triton compiles a kernel again for each
+        class of its integer arguments: 1, multiples of 16, others); and a decode step of every batch
+        bucket. Without it the first step of each new shape waits for a CUDA graph capture or a
+        Triton compile (tens of ms to seconds), which a server meets again and again as requests
+        arrive apart. Contexts past the token budget still capture their key buckets' graphs, and
+        compile the variants of their sizes, when first met."""
+        start = time.perf_counter()
+        budget = self.scheduler.config.max_num_batched_tokens
+        longest = self.max_model_len - 3  # a prompt that leaves room for the 3 tokens each request makes
+        graphs = self.runner.graphs
+        rows = {r for r in (graphs.row_buckets if graphs else ()) if r <= budget} | {budget, budget - 1}
+        rows = sorted(r for r in rows if 0 < r <= self.max_num_seqs * longest)
+        vocab = self.cfg.vocab_size
+        waves = []  # prompts added together: a step of r prefill rows, then decodes
+        for r in rows:
+            # r and the prompts' lengths (the step's key count) all multiples of 16, or r odd and the
+            # longest prompt odd: the two classes of Triton's integer specialization the eager path meets
+            size = max(1, longest // 16 * 16 if r % 16 == 0 else longest - 1 + longest % 2)
+            sizes = [size] * (r // size) + ([r % size] if r % size else [])
+            waves.append([[(len(waves) + j + t) % vocab for t in range(n)] for j, n in enumerate(sizes)])
+        batches = graphs.batch_buckets if graphs else [1, self.max_num_seqs]
+        waves += [[[(3 * i + 1) % vocab] for i in range(b)] for b in batches]  # decodes of b sequences
+        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        for w, prompts in enumerate(waves):
+            for i, prompt in enumerate(prompts):
+                self.add_request(prompt, params, request_id=f"warm-up-{w}-{i}")
+            while self.has_unfinished():
+                self.step()
+        self.block_manager.reset_prefix_cache()
+        spec_stats = self.stats.spec_decode
+        if spec_stats is not None:
+            vars(spec_stats).update(vars(SpecDecodeStats(spec_stats.num_speculative_tokens)))
+        self.stats = EngineStats(spec_decode=spec_stats)
+        log.info("megactx engine: warmed up %d step shapes (%d CUDA graphs) in %.1f s", len(waves),
+                 len(graphs.graphs) if graphs else 0, time.perf_counter() - start)
 
     # ---------------------------------------------------------------------------- requests
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,

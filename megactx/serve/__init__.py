@@ -102,6 +102,10 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap each engine step's host work with the device's work on the step before "
                         "(default: on with CUDA and no speculative decoding, the only case it supports)")
+    p.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=None,
+                   help="before serving, run every step shape the engine's CUDA graphs and Triton kernels meet "
+                        "(a few seconds), so that no request waits for a graph capture or a compile "
+                        "(default: on with CUDA)")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
                    help="run the engine in a process of its own, so the HTTP work does not hold its GIL "
                         "(default: a thread of the server's process)")
@@ -172,7 +176,8 @@ def run_serve(args: argparse.Namespace) -> int:
                            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                            gpu_memory_utilization=args.gpu_memory_utilization,
                            num_speculative_tokens=gamma, mtp_mode=args.mtp_mode,
-                           draft_acceptance=args.draft_acceptance, async_scheduling=args.async_scheduling)
+                           draft_acceptance=args.draft_acceptance, async_scheduling=args.async_scheduling,
+                           warm_up=args.warm_up)
         if args.engine_process:
             from megactx.serve.engine_process import EngineFailed, EngineProcess
 
