@@ -144,11 +144,13 @@ def test_append_slots_across_a_block_boundary():
     bm = BlockManager(8)
     seq = prefilled(bm, 0, tokens(BS - 1))
     assert seq.num_blocks == 1
+    assert bm.has_slots(seq, 1) and not bm.has_slots(seq, 2)
     seq.append_token(1)  # sampled token: position BS - 1, still in block 0
     bm.append_slots(seq, 1)
     assert seq.num_blocks == 1
     bm.mark_computed(seq, 1)
     assert bm.num_cached_blocks == 1  # block 0 became full and was registered
+    assert not bm.has_slots(seq, 1)
     seq.append_token(2)  # position BS opens block 1
     assert bm.can_append(seq, 1)
     bm.append_slots(seq, 1)
@@ -165,6 +167,20 @@ def test_append_slots_across_a_block_boundary():
     with pytest.raises(ValueError, match="n must be >= 1"):
         bm.append_slots(seq, 0)
     bm.check_invariants([seq])
+
+
+def test_reset_prefix_cache_forgets_free_registered_blocks_only():
+    bm = BlockManager(8)
+    held = prefilled(bm, 0, tokens(2 * BS))
+    gone = prefilled(bm, 1, tokens(2 * BS, start=500))
+    bm.free(gone)
+    assert bm.num_cached_blocks == 4 and bm.prefix_cache_queries > 0
+    bm.reset_prefix_cache()
+    assert bm.num_cached_blocks == 2 and bm.prefix_cache_queries == bm.prefix_cache_hits == 0
+    assert bm.num_free_blocks == 6
+    bm.check_invariants([held])
+    assert bm.prefix_hit_tokens(Sequence(2, tokens(2 * BS, start=500) + [1])) == 0  # forgotten
+    assert bm.prefix_hit_tokens(Sequence(3, tokens(2 * BS) + [1])) == 2 * BS  # still held: still cached
 
 
 def test_can_append_reports_a_full_pool():

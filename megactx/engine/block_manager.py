@@ -192,6 +192,10 @@ class BlockManager:
             raise ValueError(f"n must be >= 1 (positions the next step writes), got {n}")
         return max(self.blocks_for(seq.num_computed_tokens + n) - seq.num_blocks, 0)
 
+    def has_slots(self, seq: Sequence, n: int = 1) -> bool:
+        """Whether positions num_computed_tokens .. + n - 1 of `seq` have slots already."""
+        return seq.num_computed_tokens + n <= len(seq.block_table) * self.block_size
+
     def can_append(self, seq: Sequence, n: int = 1) -> bool:
         return self._blocks_to_append(seq, n) <= self.num_free_blocks
 

@@ -159,6 +159,8 @@ class _Request:
         self.detoks = [IncrementalDetokenizer(tokenizer, prompt_ids) if tokenizer else None for _ in seqs]
         self.full_text = [""] * len(seqs)  # decoded so far, before stop-string truncation
         self.emitted = [0] * len(seqs)  # characters of full_text already streamed
+        # characters held back from streaming: they could be the start of a stop string
+        self.hold = max((len(s) - 1 for s in params.stop), default=0)
         self.last_token_time: list[float | None] = [None] * len(seqs)
 
 
@@ -543,9 +545,7 @@ class LLM:
                 self.requests.pop(request.output.request_id, None)
             visible = len(text)
         else:
-            # hold back characters that could be the start of a stop string
-            hold = max((len(s) - 1 for s in request.params.stop), default=0)
-            visible = max(request.emitted[index], len(text) - hold)
+            visible = max(request.emitted[index], len(text) - request.hold)
         delta_text = text[request.emitted[index] : visible]
         request.emitted[index] = visible
         completion.text = text[:visible]
@@ -567,11 +567,14 @@ class LLM:
         outputs = {rid: self.requests[rid].output for rid in ids}
         from tqdm import tqdm
 
+        unfinished = {rid for rid, o in outputs.items() if not o.finished}
         with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
-            while any(not o.finished for o in outputs.values()):
-                before = sum(o.finished for o in outputs.values())
-                self.step()
-                bar.update(sum(o.finished for o in outputs.values()) - before)
+            while unfinished:
+                for delta in self.step():
+                    rid = delta.request_id
+                    if delta.finish_reason is not None and rid in unfinished and outputs[rid].finished:
+                        unfinished.discard(rid)
+                        bar.update(1)
         return [outputs[rid] for rid in ids]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[Delta]:

@@ -144,7 +144,7 @@ def check_stop(output_token_ids: Sequence[int], text: str, num_new_chars: int, p
     if last in params.stop_token_ids or (not params.ignore_eos and last in eos_token_ids):
         # The stop token's own text (e.g. "</s>" when special tokens are decoded) is dropped.
         return StopCheck(True, "stop", len(text) - num_new_chars if num_new_chars else None)
-    cut = _find_stop_string(text, num_new_chars, params.stop)
+    cut = _find_stop_string(text, num_new_chars, params.stop) if params.stop else None
     if cut is not None:
         return StopCheck(True, "stop", cut)
     if num_tokens >= params.max_tokens:

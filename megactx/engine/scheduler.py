@@ -155,6 +155,8 @@ class Scheduler:
     def _slots(self, seq: Sequence, num_positions: int) -> int:
         """Slots a chunk of num_positions positions reserves: those plus the lookahead slots,
         stopping at max_kv_tokens(seq) (no step ever writes KV at or past it)."""
+        if not self.config.num_lookahead_slots:
+            return num_positions
         room = self.max_kv_tokens(seq) - seq.num_computed_tokens
         return max(num_positions, min(num_positions + self.config.num_lookahead_slots, room))
 
@@ -211,7 +213,8 @@ class Scheduler:
                     continue  # an unchunked prompt waits for a step with room for all of it
                 num_drafts = 0
                 if decode:
-                    num_drafts = min(draft_lengths.get(seq.seq_id, 0), self.max_draft_tokens(seq), budget - n)
+                    if drafts := draft_lengths.get(seq.seq_id, 0):
+                        num_drafts = min(drafts, self.max_draft_tokens(seq), budget - n)
                     if not self._reserve(seq, self._slots(seq, n + num_drafts), preempted):
                         continue  # it had to preempt itself
                 else:
@@ -259,6 +262,8 @@ class Scheduler:
         """Slots for the next `n` positions of decoding `seq`, preempting the youngest running
         sequences until they fit. False if `seq` itself had to go. Decodes are visited oldest first
         and prefills come after them, so a victim (younger than `seq`) is not scheduled yet."""
+        if self.block_manager.has_slots(seq, n):  # most steps: the last block has room
+            return True
         while not self.block_manager.can_append(seq, n):
             victim = self.running[-1]
             self._preempt(victim)
