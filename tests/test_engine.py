@@ -338,6 +338,34 @@ def test_warm_up_meets_every_bucket_and_leaves_the_engine_as_new(model):
 
 
 @pytest.mark.gpu
+def test_after_the_warm_up_staggered_arrivals_capture_no_cuda_graph(model):
+    """The warm-up captures every graph that traffic within the token budget needs: requests that
+    arrive while others decode (steps of many row counts and batch sizes) capture nothing more,
+    and the tokens are those of an engine that did not warm up (fp32, exact caches)."""
+    prompts = _prompts([5, 100, 70, 3, 64, 130, 300, 17, 250, 1])
+    arrivals = {0: [0, 1], 1: [2], 2: [3, 4, 5], 5: [6], 6: [7, 8], 9: [9]}  # step -> requests added before it
+    cuda = model.to("cuda")
+    try:
+        tokens = {}
+        for warm in (False, True):
+            llm = LLM(cuda, device="cuda", dtype=torch.float32, index_cache_dtype="auto", num_blocks=128,
+                      max_num_seqs=8, max_model_len=1024, max_num_batched_tokens=512, warm_up=warm)
+            captured = len(llm.runner.graphs.graphs)
+            outs, step = {}, 0
+            while step <= max(arrivals) or llm.has_unfinished():
+                for i in arrivals.get(step, []):
+                    outs[i] = llm.requests[llm.add_request(prompts[i], GREEDY)].output
+                llm.step()
+                step += 1
+            tokens[warm] = [outs[i].token_ids for i in range(len(prompts))]
+            if warm:
+                assert len(llm.runner.graphs.graphs) == captured, "a step shape the warm-up missed"
+        assert tokens[True] == tokens[False]
+    finally:
+        model.to("cpu")
+
+
+@pytest.mark.gpu
 def test_cuda_graph_decode_matches_eager_decode(model):
     """Decode steps replayed from CUDA graphs (several batch and key-count buckets, padded rows)
     give the eager path's logits; fp32 so that only the summation order can differ."""

@@ -566,7 +566,7 @@ def test_cuda_graphs_replay_the_eager_speculative_steps(random_checkpoint, gamma
     order (and the MoE's dense form under capture) can differ. Batches shrink from 6 sequences
     (bucket 8) to 1 as requests of different lengths finish."""
     kwargs = dict(device="cuda", dtype=torch.float32, index_cache_dtype="auto", num_blocks=64, max_num_seqs=8,
-                  max_model_len=1024, num_speculative_tokens=gamma, mtp_mode=mode)
+                  max_model_len=1024, num_speculative_tokens=gamma, mtp_mode=mode, warm_up=False)
     eager = LLM(random_checkpoint, cuda_graphs=False, **kwargs)
     assert eager.runner.graphs is None
     g = torch.Generator().manual_seed(0)
@@ -591,7 +591,7 @@ def test_cuda_graphs_replay_sampled_drafts_step_by_step(good_drafter, mode):
     cuda = good_drafter.to("cuda")
     try:
         kwargs = dict(device="cuda", dtype=torch.float32, index_cache_dtype="auto", num_blocks=64, max_num_seqs=8,
-                      max_model_len=1024, num_speculative_tokens=GAMMA, mtp_mode=mode)
+                      max_model_len=1024, num_speculative_tokens=GAMMA, mtp_mode=mode, warm_up=False)
         params = [SamplingParams(temperature=0.8, max_tokens=20, ignore_eos=True, seed=s) for s in range(4)]
         prompts = _prompts([5, 100, 70, 33])
         eager = LLM(cuda, cuda_graphs=False, **kwargs)

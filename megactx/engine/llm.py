@@ -300,7 +300,9 @@ class LLM:
         compile the variants of their sizes, when first met."""
         start = time.perf_counter()
         budget = self.scheduler.config.max_num_batched_tokens
-        longest = self.max_model_len - 3  # a prompt that leaves room for the 3 tokens each request makes
+        gamma = self.spec.config.num_speculative_tokens if self.spec else 0
+        new_tokens = 3 + 2 * gamma  # room for verify steps with all γ drafts
+        longest = self.max_model_len - new_tokens  # the longest prompt that leaves room for them
         graphs = self.runner.graphs
         rows = {r for r in (graphs.row_buckets if graphs else ()) if r <= budget} | {budget, budget - 1}
         rows = sorted(r for r in rows if 0 < r <= self.max_num_seqs * longest)
@@ -314,7 +316,7 @@ class LLM:
             waves.append([[(len(waves) + j + t) % vocab for t in range(n)] for j, n in enumerate(sizes)])
         batches = graphs.batch_buckets if graphs else [1, self.max_num_seqs]
         waves += [[[(3 * i + 1) % vocab] for i in range(b)] for b in batches]  # decodes of b sequences
-        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
         for w, prompts in enumerate(waves):
             for i, prompt in enumerate(prompts):
                 self.add_request(prompt, params, request_id=f"warm-up-{w}-{i}")
