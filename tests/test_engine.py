@@ -200,6 +200,23 @@ def test_text_prompts_stop_strings_and_streaming(model, tokenizer_dir):
     assert chat == "<user>hi\n<assistant>"
 
 
+def test_stop_strings_of_any_length_anywhere_cut_a_long_completion(model, tokenizer_dir):
+    """Stop strings of 1 to 12 characters that start early, late or span tokens cut the text at the
+    earliest one; the streamed deltas add up to the text, and none shows a character past the cut."""
+    llm = LLM(model, device="cpu", tokenizer=tokenizer_dir, num_blocks=32)
+    prompt = "class JSONEncoder(object):"
+    greedy = dict(temperature=0, max_tokens=200, ignore_eos=True)
+    free = llm.generate([prompt], SamplingParams(**greedy), use_tqdm=False)[0].text
+    assert len(free) > 300, "the random model produced too little text for this test"
+    for start, length in [(0, 1), (3, 12), (150, 2), (len(free) - 7, 7), (200, 5)]:
+        stops = [free[start : start + length], "\x00never"]
+        want = free[: min(free.index(s) for s in stops if s in free)]
+        deltas = list(llm.stream(prompt, SamplingParams(**greedy, stop=stops)))
+        assert "".join(d.text for d in deltas) == want and deltas[-1].finish_reason == "stop", (start, length)
+    out = llm.generate([prompt], SamplingParams(**greedy, stop=[free[250:253]]), use_tqdm=False)[0]
+    assert out.text == free[: free.index(free[250:253])]
+
+
 def test_abort_frees_the_blocks(model):
     llm = LLM(model, device="cpu", num_blocks=16)
     rid = llm.add_request(_prompts([100])[0], SamplingParams(max_tokens=50))

@@ -63,13 +63,29 @@ class TokenLogprobs:
     top: dict[int, float]
 
 
-@dataclass
+@dataclass(eq=False)
 class CompletionOutput:
+    """One completion of a request; `text` is what has been streamed so far (all of it once
+    `finish_reason` is set)."""
+
     index: int
-    text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     logprobs: list[TokenLogprobs] | None = None
+    # the streamed text's pieces, joined when read: appending a token's text stays O(1) however long it gets
+    _pieces: list[str] = field(default_factory=list, repr=False)
+
+    @property
+    def text(self) -> str:
+        if len(self._pieces) > 1:
+            self._pieces[:] = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CompletionOutput):
+            return NotImplemented
+        return ((self.index, self.text, self.token_ids, self.finish_reason, self.logprobs)
+                == (other.index, other.text, other.token_ids, other.finish_reason, other.logprobs))
 
 
 @dataclass
@@ -157,10 +173,13 @@ class _Request:
         self.params = params
         self.seqs = seqs
         self.detoks = [IncrementalDetokenizer(tokenizer, prompt_ids) if tokenizer else None for _ in seqs]
-        self.full_text = [""] * len(seqs)  # decoded so far, before stop-string truncation
-        self.emitted = [0] * len(seqs)  # characters of full_text already streamed
-        # characters held back from streaming: they could be the start of a stop string
-        self.hold = max((len(s) - 1 for s in params.stop), default=0)
+        # Each completion's decoded text lives in three bounded parts: what was streamed (the
+        # CompletionOutput's pieces), `unsent` (decoded, not streamed yet: at most the held-back
+        # characters and the last step's), and `tail`, its last `hold` characters, in which a stop
+        # string that ends in the next token's text must start.
+        self.hold = max((len(s) - 1 for s in params.stop), default=0)  # could start a stop string: held back
+        self.unsent = [""] * len(seqs)
+        self.tail = [""] * len(seqs)
         self.last_token_time: list[float | None] = [None] * len(seqs)
 
 
@@ -512,16 +531,19 @@ class LLM:
 
         detok = request.detoks[index]
         taken: list[int] = []
+        cut = None  # characters of unsent that stay when a stop ends the completion
         for token in tokens:
             completion.token_ids.append(token)
             taken.append(token)
-            new_chars = 0
-            if detok is not None:
-                piece = detok.add([token])
-                request.full_text[index] += piece
-                new_chars = len(piece)
-            finished, reason, cut = check_stop(completion.token_ids, request.full_text[index], new_chars,
-                                               request.params, self.eos_token_ids)
+            piece = detok.add([token]) if detok is not None else ""
+            tail = request.tail[index]
+            window = tail + piece  # the text a stop string ending in the new characters lies in
+            finished, reason, cut_at = check_stop(completion.token_ids, window, len(piece), request.params,
+                                                  self.eos_token_ids)
+            if cut_at is not None:
+                cut = len(request.unsent[index]) - len(tail) + cut_at
+            request.unsent[index] += piece
+            request.tail[index] = window[max(0, len(window) - request.hold):] if request.hold else ""
             if not finished and seq.num_prompt_tokens + len(completion.token_ids) >= self.max_model_len:
                 finished, reason = True, "length"
             if finished:
@@ -533,24 +555,24 @@ class LLM:
         if logprobs is not None:
             logprobs = logprobs[: len(taken)]
             completion.logprobs.extend(logprobs)
-        text = request.full_text[index]
+        unsent = request.unsent[index]
         if finished:
             if cut is not None:
-                text = text[:cut]
+                unsent = unsent[:cut]
             elif detok is not None and reason == "length":  # nothing is coming to complete a character
-                text = request.full_text[index] = text + detok.flush()
+                unsent += detok.flush()
+            delta_text, request.unsent[index] = unsent, ""
             completion.finish_reason = reason
             self.scheduler.finish(seq)
             self._forget(seq)
             if request.output.finished:
                 request.output.finish_time = now
                 self.requests.pop(request.output.request_id, None)
-            visible = len(text)
         else:
-            visible = max(request.emitted[index], len(text) - request.hold)
-        delta_text = text[request.emitted[index] : visible]
-        request.emitted[index] = visible
-        completion.text = text[:visible]
+            visible = max(0, len(unsent) - request.hold)
+            delta_text, request.unsent[index] = unsent[:visible], unsent[visible:]
+        if delta_text:
+            completion._pieces.append(delta_text)
         return Delta(request.output.request_id, index, delta_text, taken, logprobs, completion.finish_reason)
 
     # ---------------------------------------------------------------------------- front ends
