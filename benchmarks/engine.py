@@ -20,7 +20,10 @@ warm-up round of C requests. The server is started with the offline engine's --d
 --max-model-len (P + M), --max-num-seqs and no speculative decoding. Figures: requests/s, output
 tokens/s, request latency and TTFT (first streamed chunk) at p50 / p99. Server overhead = 1 −
 online tokens/s ÷ offline tokens/s at batch C. Then the same again with `--engine-process` (the
-engine in a process of its own; `--no-online-engine-process` skips it), side by side.
+engine in a process of its own; `--no-online-engine-process` skips it), side by side. Beside them,
+the same workload on the offline engine in-process, without HTTP (C requests in flight, a client's
+next added when its last ends): what the engine itself makes of requests that arrive as others end,
+so that the overhead splits into the engine's part and the server's.
 
 Targets (the issue's): megactx >= 10x transformers' output tokens/s at batch 64 on a GPU; server
 overhead <= 10%.
@@ -92,10 +95,12 @@ TARGET_SPEEDUP_BATCH = 64  # ... at this batch, on a GPU
 MAX_SERVER_OVERHEAD = 0.10  # online tokens/s within 10% of offline at the same concurrency
 ONLINE_PROCESS = "online_engine_process"  # results key (and part name) of the --engine-process online run
 ONLINE_RUNS = (("online", "engine thread (default)"), (ONLINE_PROCESS, "engine process (--engine-process)"))
+CLOSED_LOOP = "closed_loop"  # results key: the online workload on the offline engine, in-process
+CLOSED_LOOP_LABEL = "engine alone, in-process (no HTTP)"
 HEALTH_POLL_S = 0.5
 SERVER_STOP_S = 30.0  # after SIGTERM, then SIGKILL
 LOG_TAIL_CHARS = 1500  # of the server's output, in the reason of a failed online run
-MEGACTX, TRANSFORMERS, SERVE = "megactx", "transformers", "megactx serve"
+MEGACTX, TRANSFORMERS, SERVE, CLOSED = "megactx", "transformers", "megactx serve", "megactx closed loop"
 
 
 # ------------------------------------------------------------------------------ settings
@@ -265,11 +270,12 @@ def run_megactx(llm, s: Settings, batch: int) -> tuple[RunFigures, list[list[int
 
 
 def offline_engine(path: Path, s: Settings):
-    """The engine for the offline runs: room for the largest batch of P + M tokens a request."""
+    """The engine for the offline runs: room for the largest batch (or the online run's clients) of
+    P + M tokens a request, as the server's."""
     from megactx import LLM
 
     return LLM(path, device=s.device, dtype=s.dtype, max_model_len=s.prompt_len + s.output_len,
-               max_num_seqs=max(s.batches), seed=s.seed)
+               max_num_seqs=max(s.concurrency, *s.batches), seed=s.seed)
 
 
 # ------------------------------------------------------------------------------ offline: transformers
@@ -505,6 +511,37 @@ def completion_bodies(model: str, prompts: list[list[int]], max_tokens: int) -> 
              "stream": True, "stream_options": {"include_usage": True}} for p in prompts]
 
 
+def run_closed_loop(llm, s: Settings) -> RunFigures:
+    """The online run's workload on `llm` in-process: a warm-up round of C requests, then R requests
+    (the online run's prompts) with C in flight, a client's next added when its last finishes."""
+    from megactx import SamplingParams
+
+    vocab = llm.cfg.vocab_size
+    warm = SamplingParams(temperature=0.0, max_tokens=s.warmup_len, ignore_eos=True)
+    llm.generate(random_prompts(s.concurrency, s.prompt_len, vocab, _prompt_seed(s, 0, 0)), warm, use_tqdm=False)
+    params = SamplingParams(temperature=0.0, max_tokens=s.output_len, ignore_eos=True)
+    waiting = iter(random_prompts(s.requests, s.prompt_len, vocab, _prompt_seed(s, 0, 1)))
+    outs = []
+
+    def send() -> None:
+        prompt = next(waiting, None)
+        if prompt is not None:
+            outs.append(llm.requests[llm.add_request(prompt, params)].output)
+
+    start = time.perf_counter()
+    for _ in range(s.concurrency):
+        send()
+    while llm.has_unfinished():
+        for delta in llm.step():
+            if delta.finish_reason is not None:
+                send()
+    wall = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outs)
+    return RunFigures(CLOSED, s.concurrency, len(outs), s.prompt_len, s.output_len, tokens, wall,
+                      summarize([o.first_token_time - o.arrival_time for o in outs]), None,
+                      summarize([o.finish_time - o.arrival_time for o in outs]), {})
+
+
 def online_figures(results: list[RequestResult], wall_s: float, s: Settings) -> RunFigures:
     counted = [r.completion_tokens for r in results]
     exact = all(t is not None for t in counted)
@@ -600,6 +637,12 @@ class EngineBench:
         for batch in self.s.batches:
             figures, self._tokens[batch] = run_megactx(llm, self.s, batch)
             self._add(figures)
+        if self.s.online:
+            figures = run_closed_loop(llm, self.s)
+            self.results[CLOSED_LOOP] = figures.to_dict()
+            self.progress.log(f"{CLOSED_LOOP}: {self.s.concurrency} requests in flight: "
+                              f"{fmt_num(figures.tokens_per_s)} tokens/s, latency p50 {_p(figures.latency_s, 'p50')}, "
+                              f"TTFT p50 {_p(figures.ttft_s, 'p50')}")
 
     def transformers(self) -> None:
         self.progress.log(f"transformers: loading {self.path} on {self.s.device}")
@@ -620,6 +663,16 @@ class EngineBench:
 
     def online_process(self) -> None:
         self.online(ONLINE_PROCESS, ["--engine-process"])
+
+
+def _online_runs(results: dict[str, Any]) -> list[tuple[str, RunFigures]]:
+    """(label, figures) of the in-process closed loop and the online runs that are in `results`."""
+    return [(label, RunFigures.from_dict(results[key]))
+            for key, label in ((CLOSED_LOOP, CLOSED_LOOP_LABEL), *ONLINE_RUNS) if results.get(key)]
+
+
+def _plot_label(label: str, figures: RunFigures) -> str:
+    return label if figures.engine == CLOSED else f"{SERVE}, {label}"
 
 
 def _p(summary: dict[str, float] | None, key: str) -> str:
@@ -727,8 +780,12 @@ def render_markdown(results: dict[str, Any], targets: list[dict[str, Any]]) -> s
                          "ITL p50", "ITL p99", "same tokens as megactx"], rows))
 
     out.append("\n## Online: megactx serve, streaming /v1/completions\n")
-    runs = [(label, RunFigures.from_dict(results[key])) for key, label in ONLINE_RUNS if results.get(key)]
+    runs = _online_runs(results)
     if runs:
+        out.append("Overhead: 1 − tokens/s ÷ offline tokens/s at the batch of the clients. The first row runs the "
+                   "same requests on the offline engine in-process (a client's next request added as its last ends, no "
+                   "HTTP): its overhead is the engine's own, from requests arriving as others end; the rest is the "
+                   "server's.\n")
         rows = []
         for label, f in runs:
             offline = _offline(results, MEGACTX, f.batch)
@@ -739,8 +796,10 @@ def render_markdown(results: dict[str, Any], targets: list[dict[str, Any]]) -> s
         out.append(md_table(
             ["server", "clients", "requests", "requests/s", "output tokens/s", "offline tokens/s at that batch",
              "overhead", "latency p50", "latency p99", "TTFT p50", "TTFT p99"], rows))
-        if any(f.detail.get("tokens_counted_from") == "max_tokens" for _, f in runs):
+        if any(f.detail.get("tokens_counted_from") == "max_tokens" for _, f in runs if f.engine == SERVE):
             out.append("\n(The server sent no usage chunk: every request is counted as max_tokens long.)\n")
+        if all(f.engine == CLOSED for _, f in runs):
+            out.append(f"\nmegactx serve not run: {_skip_reason(results, 'online') or 'disabled'}.\n")
     else:
         out.append(f"Not run: {_skip_reason(results, 'online') or 'disabled (--no-online)'}.\n")
 
@@ -768,7 +827,7 @@ def plot(results: dict[str, Any], path: Path) -> bool:
     except ImportError:
         return False
     runs = [RunFigures.from_dict(d) for d in results["offline"]]
-    onlines = [(label, RunFigures.from_dict(results[key])) for key, label in ONLINE_RUNS if results.get(key)]
+    onlines = _online_runs(results)
     batches = sorted({f.batch for f in runs} | {f.batch for _, f in onlines})
     x = {b: i for i, b in enumerate(batches)}
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5.5))
@@ -782,7 +841,7 @@ def plot(results: dict[str, Any], path: Path) -> bool:
             ax1.bar_label(bars, [fmt_num(f.tokens_per_s) for f in mine], fontsize=7)
     for k, (label, online) in enumerate(onlines):
         bars = ax1.bar([x[online.batch] + (1.5 + k) * width], [online.tokens_per_s], width, color=f"C{2 + k}",
-                       label=f"{SERVE}, {label} ({online.batch} clients)")
+                       label=f"{_plot_label(label, online)} ({online.batch} clients)")
         ax1.bar_label(bars, [fmt_num(online.tokens_per_s)], fontsize=7)
     ax1.set(yscale="log", xlabel="batch (requests in flight)", ylabel="output tokens/s",
             title="Throughput (higher is better)")
@@ -800,7 +859,7 @@ def plot(results: dict[str, Any], path: Path) -> bool:
             summary = getattr(online, key)
             if summary:
                 ax2.plot([x[online.batch] + 0.1 * k] * 2, [1e3 * summary["p50"], 1e3 * summary["p99"]],
-                         marker + "--", color=f"C{2 + k}", label=f"{SERVE}, {label}: {what} p50 / p99")
+                         marker + "--", color=f"C{2 + k}", label=f"{_plot_label(label, online)}: {what} p50 / p99")
     ax2.set(yscale="log", xlabel="batch (requests in flight)", ylabel="milliseconds",
             title="Latency (solid p50, dotted p99)")
     for ax in (ax1, ax2):

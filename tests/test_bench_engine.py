@@ -14,6 +14,8 @@ import torch
 
 from benchmarks.common import device_slug
 from benchmarks.engine import (
+    CLOSED,
+    CLOSED_LOOP,
     MEGACTX,
     SERVE,
     TRANSFORMERS,
@@ -26,6 +28,7 @@ from benchmarks.engine import (
     online_figures,
     percentile,
     render_markdown,
+    run_closed_loop,
     run_online,
     write_reports,
 )
@@ -194,6 +197,25 @@ def test_online_run_through_megactx_serve(ckpt, extra_args):
     assert f.ttft_s["n"] == 4 and f.ttft_s["p99"] <= f.latency_s["p99"] <= f.wall_s
 
 
+def test_the_closed_loop_keeps_the_clients_in_flight_and_gets_its_row(ckpt, tmp_path):
+    """The online workload on the offline engine, in-process: R requests of M tokens, never more
+    than C at once, the next sent as one ends; the report shows it above the server runs."""
+    from megactx import LLM
+
+    s = Settings("cpu", [2], prompt_len=8, output_len=4, warmup_len=2, concurrency=3, requests=7, threads=1)
+    llm = LLM(ckpt, device="cpu", max_model_len=12, max_num_seqs=3)
+    in_flight = []
+    step = llm.step
+    llm.step = lambda: (in_flight.append(llm.scheduler.num_running + llm.scheduler.num_waiting), step())[1]
+    f = run_closed_loop(llm, s)
+    assert (f.engine, f.batch, f.requests, f.output_tokens) == (CLOSED, 3, 7, 7 * 4)
+    assert max(in_flight) == 3 and in_flight.count(3) > len(in_flight) // 2
+    assert f.ttft_s["n"] == f.latency_s["n"] == 7 and f.ttft_s["p99"] <= f.latency_s["p99"] <= f.wall_s
+    results = _fake_results("cuda", 6000.0, 500.0, 5700.0) | {CLOSED_LOOP: _run(CLOSED, 64, 5900.0, requests=256)}
+    md = write_reports(results, tmp_path)[1].read_text()
+    assert "| engine alone, in-process (no HTTP) | 64 | 256 |" in md and "| 1.7% |" in md
+
+
 def test_the_server_runs_the_offline_engines_configuration(tmp_path):
     """Online and offline must differ only by the HTTP layer: the same context, batch room, and no
     speculative decoding (serve drafts γ = 7 by default for a checkpoint with an MTP layer)."""
@@ -290,6 +312,6 @@ def test_the_whole_benchmark_runs_on_a_gpu(ckpt, tmp_path):
     assert {(d["engine"], d["batch"]) for d in results["offline"]} == {
         (e, b) for e in (MEGACTX, TRANSFORMERS) for b in (1, 4)}
     assert all(d["output_tokens"] == d["batch"] * 8 for d in results["offline"])
-    assert results["online"]["output_tokens"] == 8 * 8
+    assert results["online"]["output_tokens"] == results[CLOSED_LOOP]["output_tokens"] == 8 * 8
     assert results["online_engine_process"]["output_tokens"] == 8 * 8  # the server with its engine in a process
     assert write_reports(results, tmp_path)[0].name == f"engine-{device_slug(results['machine'])}.json"
