@@ -217,6 +217,28 @@ def test_stop_strings_of_any_length_anywhere_cut_a_long_completion(model, tokeni
     assert out.text == free[: free.index(free[250:253])]
 
 
+def test_the_step_log_has_a_line_for_every_step(model, tmp_path, capsys):
+    import json
+
+    from megactx.engine import steplog
+
+    path = tmp_path / "steps.jsonl"
+    llm = LLM(model, device="cpu", max_num_seqs=4, num_blocks=40, max_num_batched_tokens=48, step_log=path)
+    prompts = _prompts([5, 100, 70])
+    llm.generate(prompts, GREEDY, use_tqdm=False)
+    llm.step_log.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(lines) == llm.stats.steps and all(r["ms"] > 0 and r["graphs"] == 0 for r in lines)
+    # every prompt position and every generated token but the last is computed once
+    assert sum(r["tokens"] for r in lines) == sum(len(p) for p in prompts) + len(prompts) * (GREEDY.max_tokens - 1)
+    assert all(r["tokens"] <= 48 for r in lines) and lines[0]["prefill"] >= 1 and lines[-1]["prefill"] == 0
+    assert [r["t"] for r in lines] == sorted(r["t"] for r in lines)
+    assert steplog.main([str(path), "--slowest", "3"]) == 0
+    summary = capsys.readouterr().out
+    assert f"{len(lines)} steps" in summary and "decode only" in summary and "with prefill" in summary
+    assert steplog.main([str(tmp_path / "missing.jsonl")]) == 2
+
+
 def test_abort_frees_the_blocks(model):
     llm = LLM(model, device="cpu", num_blocks=16)
     rid = llm.add_request(_prompts([100])[0], SamplingParams(max_tokens=50))

@@ -41,9 +41,10 @@ from megactx.engine.block_manager import BlockManager
 from megactx.engine.model_runner import CacheConfig, DeviceTokens, ModelRunner, plan_num_blocks
 from megactx.engine.sampler import Sampler, SamplingBatch, SamplingTensorsCache, make_generator, pad_token_ids
 from megactx.engine.sampling_params import SamplingParams, check_stop
-from megactx.engine.scheduler import Scheduler, SchedulerConfig
+from megactx.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from megactx.engine.sequence import Sequence as Seq
 from megactx.engine.spec_decode import DRAFT_ACCEPTANCE, MTP_MODES, SpecConfig, SpecDecoder, SpecDecodeStats
+from megactx.engine.steplog import StepLog
 from megactx.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from megactx.kernels.reference import BLOCK_SIZE
 from megactx.model.paged import HostCopy, cache_bytes_per_token, resolve_cache_dtype, to_device
@@ -214,6 +215,7 @@ class LLM:
 
     warm_up: before the first request, run the step shapes that serving meets (see `warm_up`), so
     that no request waits for a CUDA graph capture or a Triton compile (default: on CUDA).
+    step_log: a file that gets a JSON line for every step (megactx.engine.steplog).
     """
 
     def __init__(self, model: str | Path | Transformer, *, tokenizer: str | Path | None = None,
@@ -223,7 +225,8 @@ class LLM:
                  cpu_cache_bytes: int = 4 << 30, num_blocks: int | None = None, enable_prefix_caching: bool = True,
                  chunked_prefill: bool = True, cuda_graphs: bool = True, num_speculative_tokens: int = 0,
                  mtp_mode: str = "auto", draft_acceptance: str = "rejection", seed: int = 0,
-                 async_scheduling: bool | None = None, warm_up: bool | None = None):
+                 async_scheduling: bool | None = None, warm_up: bool | None = None,
+                 step_log: str | Path | None = None):
         if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be an int >= 0 (0 = no speculative decoding), "
                              f"got {num_speculative_tokens!r}")
@@ -295,6 +298,8 @@ class LLM:
             self.spec = SpecDecoder(self.runner, spec, self.cfg.vocab_size, self.eos_token_ids, self.sampler.generator)
             self.stats.spec_decode = self.spec.stats
         log.info("megactx engine: %s", self.memory_report())
+        self.step_log = StepLog(step_log) if step_log is not None else None
+        self._last_schedule: SchedulerOutput | None = None
         if on_cuda if warm_up is None else warm_up:
             self.warm_up()
 
@@ -417,15 +422,29 @@ class LLM:
             self.spec.forget(seq.seq_id)
 
     # ---------------------------------------------------------------------------- one step
-    @torch.inference_mode()
     def step(self) -> list[Delta]:
         """Run one scheduler step; returns a Delta for every completion that got tokens (one, or
         with speculative decoding the accepted drafts and the token after them). With overlapped
         steps (`async_scheduling`) the deltas are those of the step before, whose tokens reached
         the host while this one ran on the device."""
+        if self.step_log is None:
+            return self._step()
+        start = time.perf_counter()
+        self._last_schedule = None
+        deltas = self._step()
+        out = self._last_schedule
+        if out is not None and not out.is_empty:
+            graphs = self.runner.graphs
+            self.step_log.record(start, time.perf_counter(), out.scheduled, out.num_batched_tokens,
+                                 self.scheduler.num_running, self.scheduler.num_waiting,
+                                 len(graphs.graphs) if graphs else 0)
+        return deltas
+
+    @torch.inference_mode()
+    def _step(self) -> list[Delta]:
         if self.spec is not None:
             return self._spec_step(self.spec)
-        out = self.scheduler.schedule()
+        out = self._last_schedule = self.scheduler.schedule()
         self.stats.preemptions += len(out.preempted)
         if out.is_empty:
             return self._resolve()  # the last step's tokens
@@ -487,7 +506,7 @@ class LLM:
     def _spec_step(self, spec: SpecDecoder) -> list[Delta]:
         """One step of the speculative engine: schedule with the drafts held, target forward over
         known tokens and drafts, verify, record, MTP KV + next drafts, emit."""
-        out = self.scheduler.schedule(spec.draft_lengths())
+        out = self._last_schedule = self.scheduler.schedule(spec.draft_lengths())
         self.stats.preemptions += len(out.preempted)
         for seq in out.preempted:
             spec.forget(seq.seq_id)  # its KV is gone; it drafts again after its recompute

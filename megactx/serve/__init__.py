@@ -106,6 +106,9 @@ def add_serve_parser(subparsers) -> None:
                    help="before serving, run every step shape the engine's CUDA graphs and Triton kernels meet "
                         "(a few seconds), so that no request waits for a graph capture or a compile "
                         "(default: on with CUDA)")
+    p.add_argument("--step-log", metavar="PATH",
+                   help="append a JSON line for every engine step to PATH (its time, work, captures; "
+                        "`python -m megactx.engine.steplog PATH` summarizes it)")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
                    help="run the engine in a process of its own, so the HTTP work does not hold its GIL "
                         "(default: a thread of the server's process)")
@@ -177,7 +180,7 @@ def run_serve(args: argparse.Namespace) -> int:
                            gpu_memory_utilization=args.gpu_memory_utilization,
                            num_speculative_tokens=gamma, mtp_mode=args.mtp_mode,
                            draft_acceptance=args.draft_acceptance, async_scheduling=args.async_scheduling,
-                           warm_up=args.warm_up)
+                           warm_up=args.warm_up, step_log=args.step_log)
         if args.engine_process:
             from megactx.serve.engine_process import EngineFailed, EngineProcess
 
