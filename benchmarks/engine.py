@@ -48,6 +48,7 @@ benchmarks/results/engine-<device>.json, .md, .png.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import http.client
@@ -84,6 +85,7 @@ from benchmarks.common import (
     stop_process,
     write_suite_reports,
 )
+from megactx.engine import steplog
 
 HELP = "engine throughput, TTFT and ITL at batch 1/16/64 against transformers, and online through megactx serve"
 SCHEMA = "megactx-bench-engine/1"
@@ -255,18 +257,20 @@ def run_megactx(llm, s: Settings, batch: int) -> tuple[RunFigures, list[list[int
     params = SamplingParams(temperature=0.0, max_tokens=s.output_len, ignore_eos=True)
     walls, ttft, latency, tokens, first = [], [], [], 0, None
     itl_from, steps_from = len(llm.stats.inter_token_latency), llm.stats.steps
-    for run in range(1, s.reps + 1):
-        prompts = random_prompts(batch, s.prompt_len, vocab, _prompt_seed(s, batch, run))
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        walls.append(time.perf_counter() - start)
-        first = first or [o.token_ids for o in outs]
-        tokens += sum(len(o.token_ids) for o in outs)
-        ttft += [o.first_token_time - o.arrival_time for o in outs]
-        latency += [o.finish_time - o.arrival_time for o in outs]
+    with logged_steps(llm) as step_figures:
+        for run in range(1, s.reps + 1):
+            prompts = random_prompts(batch, s.prompt_len, vocab, _prompt_seed(s, batch, run))
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            walls.append(time.perf_counter() - start)
+            first = first or [o.token_ids for o in outs]
+            tokens += sum(len(o.token_ids) for o in outs)
+            ttft += [o.first_token_time - o.arrival_time for o in outs]
+            latency += [o.finish_time - o.arrival_time for o in outs]
     itl = llm.stats.inter_token_latency[itl_from:]
     steps = (llm.stats.steps - steps_from) // s.reps
-    return _timed_figures(MEGACTX, batch, s, walls, tokens, ttft, itl, latency, {"steps": steps}), first
+    return _timed_figures(MEGACTX, batch, s, walls, tokens, ttft, itl, latency,
+                          {"steps": steps, "engine_steps": step_figures()}), first
 
 
 def offline_engine(path: Path, s: Settings):
@@ -389,6 +393,10 @@ class ServeProcess:
         if s.threads:
             self.env["OMP_NUM_THREADS"] = str(s.threads)  # every thread of the server, its engine's too
         self.log = tempfile.NamedTemporaryFile("w+", prefix="megactx-serve-", suffix=".log", delete=False)
+        # the engine's steps (megactx.engine.steplog), for the report's step figures
+        self.step_log = Path(self.log.name).with_suffix(".steps.jsonl")
+        before_serve_args = len(self.command) - len(s.serve_args)
+        self.command[before_serve_args:before_serve_args] = ["--step-log", str(self.step_log)]
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
@@ -432,6 +440,14 @@ class ServeProcess:
         self.log.flush()
         text = Path(self.log.name).read_text(errors="replace").strip()
         return ("…" + text[-LOG_TAIL_CHARS:]) if len(text) > LOG_TAIL_CHARS else (text or "(no output)")
+
+    def steps(self, start: float, end: float) -> dict[str, Any] | None:
+        """Step figures of the engine's steps that began between perf_counter times start and end
+        (one monotonic clock for every process), None without any; read after stop()."""
+        if not self.step_log.is_file():
+            return None
+        steps = [r for r in steplog.read(self.step_log) if start <= r["t"] <= end]
+        return steplog.step_stats(steps) if steps else None
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -511,6 +527,22 @@ def completion_bodies(model: str, prompts: list[list[int]], max_tokens: int) -> 
              "stream": True, "stream_options": {"include_usage": True}} for p in prompts]
 
 
+@contextlib.contextmanager
+def logged_steps(llm):
+    """Log llm's steps inside the block; yields a function that returns their step figures
+    (megactx.engine.steplog.step_stats) once the block has ended."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path, figures = Path(tmp) / "steps.jsonl", {}
+        previous, llm.step_log = llm.step_log, steplog.StepLog(path)
+        try:
+            yield lambda: figures.get("steps")
+        finally:
+            llm.step_log.close()
+            llm.step_log = previous
+            lines = steplog.read(path)
+            figures["steps"] = steplog.step_stats(lines) if lines else None
+
+
 def run_closed_loop(llm, s: Settings) -> RunFigures:
     """The online run's workload on `llm` in-process: a warm-up round of C requests, then R requests
     (the online run's prompts) with C in flight, a client's next added when its last finishes."""
@@ -528,18 +560,19 @@ def run_closed_loop(llm, s: Settings) -> RunFigures:
         if prompt is not None:
             outs.append(llm.requests[llm.add_request(prompt, params)].output)
 
-    start = time.perf_counter()
-    for _ in range(s.concurrency):
-        send()
-    while llm.has_unfinished():
-        for delta in llm.step():
-            if delta.finish_reason is not None:
-                send()
-    wall = time.perf_counter() - start
+    with logged_steps(llm) as step_figures:
+        start = time.perf_counter()
+        for _ in range(s.concurrency):
+            send()
+        while llm.has_unfinished():
+            for delta in llm.step():
+                if delta.finish_reason is not None:
+                    send()
+        wall = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outs)
     return RunFigures(CLOSED, s.concurrency, len(outs), s.prompt_len, s.output_len, tokens, wall,
                       summarize([o.first_token_time - o.arrival_time for o in outs]), None,
-                      summarize([o.finish_time - o.arrival_time for o in outs]), {})
+                      summarize([o.finish_time - o.arrival_time for o in outs]), {"engine_steps": step_figures()})
 
 
 def online_figures(results: list[RequestResult], wall_s: float, s: Settings) -> RunFigures:
@@ -559,7 +592,8 @@ def run_online(path: Path, s: Settings, vocab_size: int, log: Callable[[str], ob
     """Start the server (with extra_args), run one warm-up round and one timed round of clients, stop it."""
     if extra_args:
         s = dataclasses.replace(s, serve_args=[*extra_args, *s.serve_args])
-    with ServeProcess(path, s) as server:
+    server = ServeProcess(path, s)
+    with server:
         log(f"megactx serve is up on port {server.port}")
         model = server.model_name(default=str(path))
         # batch 0 in the seed: prompts of their own, none the offline runs used
@@ -567,9 +601,13 @@ def run_online(path: Path, s: Settings, vocab_size: int, log: Callable[[str], ob
         client_round(server.host, server.port, completion_bodies(model, warm, s.warmup_len), s.concurrency,
                      s.request_timeout_s)
         prompts = random_prompts(s.requests, s.prompt_len, vocab_size, _prompt_seed(s, 0, 1))
+        start = time.perf_counter()
         results, wall = client_round(server.host, server.port, completion_bodies(model, prompts, s.output_len),
                                      s.concurrency, s.request_timeout_s)
-    return online_figures(results, wall, s)
+    figures = online_figures(results, wall, s)
+    figures.detail["engine_steps"] = server.steps(start, start + wall)
+    server.step_log.unlink(missing_ok=True)
+    return figures
 
 
 # ------------------------------------------------------------------------------ the run
@@ -803,6 +841,7 @@ def render_markdown(results: dict[str, Any], targets: list[dict[str, Any]]) -> s
     else:
         out.append(f"Not run: {_skip_reason(results, 'online') or 'disabled (--no-online)'}.\n")
 
+    out.append(steps_markdown(results))
     out.append("\n## Targets\n")
     mark = {True: "pass", False: "**FAIL**", None: "n/a"}
     out.append(md_table(["target", "figure", "needs", "result"],
@@ -813,6 +852,31 @@ def render_markdown(results: dict[str, Any], targets: list[dict[str, Any]]) -> s
         out.append(md_table(["part", "why"], [[x["step"], x["reason"].replace("\n", " ")]
                                               for x in results["skipped"]]))
     return "\n".join(out)
+
+
+def steps_markdown(results: dict[str, Any]) -> str:
+    """The engine's steps in each timed run (megactx.engine.steplog): where a served run loses time
+    against the offline one shows as slower decode steps, more steps with prefill, or captures."""
+    runs = [(f"offline, batch {f.batch}", f) for f in map(RunFigures.from_dict, results["offline"])
+            if f.engine == MEGACTX]
+    runs += [(f"{label}, {f.batch} clients", f) for label, f in _online_runs(results)]
+    rows = []
+    for label, f in runs:
+        st = f.detail.get("engine_steps")
+        if not st:
+            continue
+        ms = {key: "–" if st[key] is None else fmt_time(st[key] / 1e3)
+              for key in ("decode_p50_ms", "decode_p99_ms", "prefill_p50_ms", "prefill_p99_ms", "max_ms")}
+        rows.append([label, st["steps"], f"{st['busy_s']:.2f} s", st["decode_steps"], ms["decode_p50_ms"],
+                     ms["decode_p99_ms"], st["prefill_steps"], ms["prefill_p50_ms"], ms["prefill_p99_ms"],
+                     ms["max_ms"], f"{st['capture_steps']} ({st['capture_s']:.2f} s)"])
+    if not rows:
+        return ""
+    return ("\n## Engine steps\n\nEvery step of the timed part of each run (`--step-log`; with overlapped steps "
+            "a step's time is its host work plus its wait for the step before). Captures: steps that captured "
+            "a CUDA graph, and their time.\n\n"
+            + md_table(["run", "steps", "in steps", "decode-only steps", "p50", "p99", "steps with prefill", "p50",
+                        "p99", "longest", "captures"], rows))
 
 
 # ------------------------------------------------------------------------------ PNG

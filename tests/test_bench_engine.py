@@ -68,13 +68,17 @@ def test_offline_run_of_both_engines_writes_the_reports(ckpt, tmp_path, capsys):
     runs = {(d["engine"], d["batch"]): RunFigures.from_dict(d) for d in results["offline"]}
     assert set(runs) == {(e, b) for e in (MEGACTX, TRANSFORMERS) for b in batches}
     reps = results["settings"]["reps"]
-    for (_, batch), f in runs.items():
+    for (engine, batch), f in runs.items():
         assert f.output_tokens == batch * output_len and f.requests == batch
         assert len(f.detail["walls_s"]) == reps and f.wall_s == sorted(f.detail["walls_s"])[reps // 2]
         assert f.tokens_per_s == pytest.approx(f.output_tokens / f.wall_s)
         assert f.ttft_s["n"] == batch * reps and f.itl_s["n"] == batch * (output_len - 1) * reps
         assert 0 < f.ttft_s["p50"] <= f.ttft_s["p99"] <= f.latency_s["p99"] <= max(f.detail["walls_s"])
         assert f.detail["steps"] == output_len  # one token a request a decoding step, the first from the prefill
+        if engine == MEGACTX:  # every step of the timed runs, from the step log
+            st = f.detail["engine_steps"]
+            assert (st["steps"], st["prefill_steps"]) == (reps * output_len, reps)
+            assert st["decode_steps"] == reps * (output_len - 1)
     for batch in batches:  # fp32, greedy, same prompts: the peer computes the same tokens
         assert runs[TRANSFORMERS, batch].detail["same_tokens_as_megactx"] == batch
     md = (tmp_path / "engine-cpu.md").read_text()
@@ -195,6 +199,8 @@ def test_online_run_through_megactx_serve(ckpt, extra_args):
     assert (f.engine, f.batch, f.requests) == (SERVE, 2, 4)
     assert f.output_tokens == 4 * 4 and f.detail["tokens_counted_from"] == "usage"
     assert f.ttft_s["n"] == 4 and f.ttft_s["p99"] <= f.latency_s["p99"] <= f.wall_s
+    steps = f.detail["engine_steps"]  # the server's step log, the timed round's steps only
+    assert steps["steps"] >= 2 * 4 and steps["decode_steps"] >= 1 and steps["busy_s"] <= f.wall_s
 
 
 def test_the_closed_loop_keeps_the_clients_in_flight_and_gets_its_row(ckpt, tmp_path):
@@ -211,6 +217,7 @@ def test_the_closed_loop_keeps_the_clients_in_flight_and_gets_its_row(ckpt, tmp_
     assert (f.engine, f.batch, f.requests, f.output_tokens) == (CLOSED, 3, 7, 7 * 4)
     assert max(in_flight) == 3 and in_flight.count(3) > len(in_flight) // 2
     assert f.ttft_s["n"] == f.latency_s["n"] == 7 and f.ttft_s["p99"] <= f.latency_s["p99"] <= f.wall_s
+    assert f.detail["engine_steps"]["steps"] == len(in_flight) - 2  # the warm-up's 2 steps are not logged
     results = _fake_results("cuda", 6000.0, 500.0, 5700.0) | {CLOSED_LOOP: _run(CLOSED, 64, 5900.0, requests=256)}
     md = write_reports(results, tmp_path)[1].read_text()
     assert "| engine alone, in-process (no HTTP) | 64 | 256 |" in md and "| 1.7% |" in md

@@ -438,6 +438,8 @@ class LLM:
             self.step_log.record(start, time.perf_counter(), out.scheduled, out.num_batched_tokens,
                                  self.scheduler.num_running, self.scheduler.num_waiting,
                                  len(graphs.graphs) if graphs else 0)
+        if not self.has_unfinished():
+            self.step_log.flush()  # idle now: the lines so far are on disk for whoever reads them
         return deltas
 
     @torch.inference_mode()

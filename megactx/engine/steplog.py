@@ -8,8 +8,8 @@ machine), "ms" (the step's wall time), "seqs" (sequences scheduled), "tokens" (p
 "prefill" (chunks that are not single-token decodes), "running", "waiting" (after the step),
 "graphs" (CUDA graphs captured so far: a step that raised it waited for a capture)}. With
 overlapped steps (`async_scheduling`) a step's wall time is its host work plus its wait for the
-step before. Lines are appended (several processes may share a file) and flushed at least every
-half second.
+step before. Lines are appended (several processes may share a file), flushed at least every
+half second and whenever the engine runs out of work.
 """
 
 from __future__ import annotations
@@ -40,11 +40,38 @@ class StepLog:
                                     "seqs": len(scheduled), "tokens": num_tokens, "prefill": prefill,
                                     "running": running, "waiting": waiting, "graphs": graphs}) + "\n")
         if end - self._flushed > FLUSH_S:
-            self.file.flush()
-            self._flushed = end
+            self.flush()
+
+    def flush(self) -> None:
+        self.file.flush()
+        self._flushed = time.perf_counter()
 
     def close(self) -> None:
         self.file.close()
+
+
+def read(path: str | Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def _pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def step_stats(steps: list[dict]) -> dict:
+    """Figures of one process's steps: count, busy seconds, decode-only and with-prefill step
+    p50 / p99 (ms; None without such steps), the longest step, and the steps that captured graphs."""
+    decode = [r["ms"] for r in steps if not r["prefill"]]
+    prefill = [r["ms"] for r in steps if r["prefill"]]
+    captures = [r for prev, r in zip(steps, steps[1:]) if r["graphs"] > prev["graphs"]]
+    return {"steps": len(steps), "busy_s": sum(r["ms"] for r in steps) / 1e3,
+            "decode_steps": len(decode), "decode_p50_ms": statistics.median(decode) if decode else None,
+            "decode_p99_ms": _pct(decode, 0.99) if decode else None,
+            "prefill_steps": len(prefill), "prefill_p50_ms": statistics.median(prefill) if prefill else None,
+            "prefill_p99_ms": _pct(prefill, 0.99) if prefill else None,
+            "max_ms": max(r["ms"] for r in steps), "capture_steps": len(captures),
+            "capture_s": sum(r["ms"] for r in captures) / 1e3}
 
 
 def summarize(lines: list[dict], slowest: int = 10) -> str:
@@ -53,18 +80,15 @@ def summarize(lines: list[dict], slowest: int = 10) -> str:
     out = []
     for pid in sorted({r["pid"] for r in lines}):
         steps = [r for r in lines if r["pid"] == pid]
+        st = step_stats(steps)
         span = steps[-1]["t"] + steps[-1]["ms"] / 1e3 - steps[0]["t"]
-        busy = sum(r["ms"] for r in steps) / 1e3
-        out.append(f"process {pid}: {len(steps)} steps over {span:.2f} s, {busy:.2f} s in steps")
-        for name, group in (("decode only", [r for r in steps if not r["prefill"]]),
-                            ("with prefill", [r for r in steps if r["prefill"]])):
-            if group:
-                ms = sorted(r["ms"] for r in group)
-                out.append(f"  {name}: {len(ms)} steps, p50 {statistics.median(ms):.2f} ms, "
-                           f"p99 {ms[min(len(ms) - 1, int(0.99 * len(ms)))]:.2f} ms, max {ms[-1]:.1f} ms")
-        captures = [r for prev, r in zip(steps, steps[1:]) if r["graphs"] > prev["graphs"]]
-        if captures:
-            out.append(f"  {len(captures)} steps captured CUDA graphs: {sum(r['ms'] for r in captures) / 1e3:.2f} s")
+        out.append(f"process {pid}: {st['steps']} steps over {span:.2f} s, {st['busy_s']:.2f} s in steps")
+        for name, key in (("decode only", "decode"), ("with prefill", "prefill")):
+            if st[f"{key}_steps"]:
+                out.append(f"  {name}: {st[f'{key}_steps']} steps, p50 {st[f'{key}_p50_ms']:.2f} ms, "
+                           f"p99 {st[f'{key}_p99_ms']:.2f} ms")
+        if st["capture_steps"]:
+            out.append(f"  {st['capture_steps']} steps captured CUDA graphs: {st['capture_s']:.2f} s")
         out.append(f"  slowest {slowest}:")
         for r in sorted(steps, key=lambda r: -r["ms"])[:slowest]:
             out.append(f"    +{r['t'] - steps[0]['t']:8.3f} s  {r['ms']:8.2f} ms  {r['seqs']} seqs, {r['tokens']} "
@@ -82,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.path.is_file():
         print(f"no such file: {args.path}", file=sys.stderr)
         return 2
-    lines = [json.loads(line) for line in args.path.read_text().splitlines() if line.strip()]
+    lines = read(args.path)
     if not lines:
         print(f"{args.path}: no steps logged", file=sys.stderr)
         return 1
