@@ -376,6 +376,14 @@ def test_warm_up_meets_every_bucket_and_leaves_the_engine_as_new(model):
             == [o.token_ids for o in cold.generate(prompts, params, use_tqdm=False)])
 
 
+@pytest.mark.parametrize("max_model_len,gamma", [(1, 0), (2, 0), (5, 0), (16, 7), (40, 3)])
+def test_warm_up_fits_any_context(model, max_model_len, gamma):
+    """Contexts too short for the warm-up's usual requests (or for any request) still start."""
+    llm = LLM(model, device="cpu", max_num_seqs=4, num_blocks=8, max_num_batched_tokens=64,
+              max_model_len=max_model_len, num_speculative_tokens=gamma, warm_up=True)
+    assert not llm.requests and llm.block_manager.num_used_blocks == 0 and llm.stats.steps == 0
+
+
 @pytest.mark.gpu
 def test_after_the_warm_up_staggered_arrivals_capture_no_cuda_graph(model):
     """The warm-up captures every graph that traffic within the token budget needs: requests that

@@ -322,10 +322,13 @@ class LLM:
         Triton compile (tens of ms to seconds), which a server meets again and again as requests
         arrive apart. Contexts past the token budget still capture their key buckets' graphs, and
         compile the variants of their sizes, when first met."""
+        if self.max_model_len < 2:
+            return  # no request fits: one prompt token and one generated
         start = time.perf_counter()
         budget = self.scheduler.config.max_num_batched_tokens
         gamma = self.spec.config.num_speculative_tokens if self.spec else 0
-        new_tokens = 3 + 2 * gamma  # room for verify steps with all γ drafts
+        # tokens each request makes: room for verify steps with all γ drafts (a one-token prompt must fit)
+        new_tokens = max(1, min(3 + 2 * gamma, self.max_model_len - 1))
         longest = self.max_model_len - new_tokens  # the longest prompt that leaves room for them
         graphs = self.runner.graphs
         rows = {r for r in (graphs.row_buckets if graphs else ()) if r <= budget} | {budget, budget - 1}
