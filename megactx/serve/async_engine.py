@@ -552,7 +552,9 @@ class AsyncEngine:
             if kind == "failed":
                 loop.call_soon_threadsafe(self._fail_all, RuntimeError(payload))
                 return
-            loop.call_soon_threadsafe(self._on_engine_output, *payload)
+            admissions, deltas, now, gauges, spec = payload
+            loop.call_soon_threadsafe(self._on_engine_output, admissions, [Delta(*d) for d in deltas], now, gauges,
+                                      spec)
 
 
 def engine_gauges(llm: LLM) -> tuple[int, int, int, int, float]:
