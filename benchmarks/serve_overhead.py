@@ -179,7 +179,7 @@ class MockLLM:
     def __init__(self, tokenizer, *, max_num_seqs: int, max_model_len: int, device_s: float, host_s: float,
                  op_s: float = 0.0):
         from megactx.engine.block_manager import BlockManager
-        from megactx.engine.llm import EngineStats
+        from megactx.engine.outputs import EngineStats
 
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -219,7 +219,7 @@ class MockLLM:
 
     def step(self) -> list:
         """One token for each of the first max_num_seqs unfinished completions; list[Delta]."""
-        from megactx.engine.llm import Delta, TokenLogprobs
+        from megactx.engine.outputs import Delta, TokenLogprobs
 
         self.thread_id = threading.get_native_id()
         running = self._running()

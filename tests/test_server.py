@@ -30,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from megactx import LLM, SamplingParams
 from megactx.cli import main as cli_main
-from megactx.engine.llm import Delta, EngineStats, TokenLogprobs
+from megactx.engine.outputs import Delta, EngineStats, TokenLogprobs
 from megactx.serve.api import RETRY_AFTER_S, ChunkEncoder, _sse, build_app
 from megactx.serve.async_engine import AsyncEngine, EngineDead, merge_deltas
 from megactx.serve.protocol import (

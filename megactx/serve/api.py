@@ -44,7 +44,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from megactx.engine.llm import LLM, Delta, TokenLogprobs
+from megactx.engine.llm import LLM
+from megactx.engine.outputs import Delta, TokenLogprobs
 from megactx.engine.sampling_params import SamplingParams
 from megactx.serve import DEFAULT_MAX_QUEUED_REQUESTS
 from megactx.serve.async_engine import (

@@ -47,7 +47,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from megactx.engine.llm import LLM, Delta
+from megactx.engine.llm import LLM
+from megactx.engine.outputs import Delta
 from megactx.engine.sampling_params import SamplingParams
 from megactx.engine.spec_decode import SpecDecodeStats
 from megactx.serve.engine_process import EngineProcess
