@@ -422,7 +422,7 @@ def test_cuda_graph_decode_matches_eager_decode(model):
         outs = {}
         for graphs in (False, True):
             llm = LLM(cuda, device="cuda", dtype=torch.float32, index_cache_dtype="auto", num_blocks=64,
-                      max_num_seqs=8, max_model_len=1024, cuda_graphs=graphs)
+                      max_num_seqs=8, max_model_len=1024, cuda_graphs=graphs, warm_up=False)
             outs[graphs] = llm.generate(prompts, GREEDY, use_tqdm=False)
             if graphs:
                 assert llm.runner.graphs.graphs, "no decode step ran from a graph"
