@@ -519,7 +519,7 @@ def test_triton_speculative_greedy_equals_non_speculative(good_drafter, mode, cu
     cuda = good_drafter.to("cuda")
     try:
         kwargs = dict(device="cuda", dtype=torch.float32, index_cache_dtype="auto", num_blocks=64, max_num_seqs=8,
-                      max_model_len=1024, cuda_graphs=cuda_graphs)
+                      max_model_len=1024, cuda_graphs=cuda_graphs, warm_up=False)
         want = LLM(cuda, **kwargs).generate(prompts, GREEDY, use_tqdm=False)
         llm = LLM(cuda, num_speculative_tokens=GAMMA, mtp_mode=mode, **kwargs)
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
