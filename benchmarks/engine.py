@@ -443,7 +443,8 @@ class ServeProcess:
 
     def steps(self, start: float, end: float) -> dict[str, Any] | None:
         """Step figures of the engine's steps that began between perf_counter times start and end
-        (one monotonic clock for every process), None without any; read after stop()."""
+        (one monotonic clock for every process), None without any. The engine flushes its step log
+        before it emits the deltas that leave it idle, so it is complete once the clients are done."""
         if not self.step_log.is_file():
             return None
         steps = [r for r in steplog.read(self.step_log) if start <= r["t"] <= end]
@@ -454,6 +455,7 @@ class ServeProcess:
             stop_process(self.proc, SERVER_STOP_S)
         self.log.close()
         Path(self.log.name).unlink(missing_ok=True)
+        self.step_log.unlink(missing_ok=True)
 
     def __enter__(self) -> ServeProcess:
         try:
@@ -592,8 +594,7 @@ def run_online(path: Path, s: Settings, vocab_size: int, log: Callable[[str], ob
     """Start the server (with extra_args), run one warm-up round and one timed round of clients, stop it."""
     if extra_args:
         s = dataclasses.replace(s, serve_args=[*extra_args, *s.serve_args])
-    server = ServeProcess(path, s)
-    with server:
+    with ServeProcess(path, s) as server:
         log(f"megactx serve is up on port {server.port}")
         model = server.model_name(default=str(path))
         # batch 0 in the seed: prompts of their own, none the offline runs used
@@ -604,9 +605,9 @@ def run_online(path: Path, s: Settings, vocab_size: int, log: Callable[[str], ob
         start = time.perf_counter()
         results, wall = client_round(server.host, server.port, completion_bodies(model, prompts, s.output_len),
                                      s.concurrency, s.request_timeout_s)
+        steps = server.steps(start, start + wall)
     figures = online_figures(results, wall, s)
-    figures.detail["engine_steps"] = server.steps(start, start + wall)
-    server.step_log.unlink(missing_ok=True)
+    figures.detail["engine_steps"] = steps
     return figures
 
 

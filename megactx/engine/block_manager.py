@@ -119,9 +119,7 @@ class BlockManager:
         """Forget every registered block that no sequence holds, and the hit counts (the engine's
         warm-up; a benchmark between runs). Blocks that sequences hold stay registered."""
         for block_id in self._free_cached:
-            block = self.blocks[block_id]
-            del self._hash_to_block[block.hash]
-            block.hash, block.token_ids = None, ()
+            self._unregister(self.blocks[block_id])
             self._free_uncached.append(block_id)
         self._free_cached.clear()
         self.prefix_cache_queries = self.prefix_cache_hits = 0

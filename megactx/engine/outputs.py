@@ -78,6 +78,11 @@ class Delta:
     logprobs: list[TokenLogprobs] | None
     finish_reason: str | None
 
+    def fields(self) -> tuple:
+        """Its fields in order, `Delta(*fields)` again: a tuple of plain values pickles ~5x faster
+        than the dataclass (the engine process sends every step's deltas)."""
+        return (self.request_id, self.index, self.text, self.token_ids, self.logprobs, self.finish_reason)
+
 
 @dataclass
 class EngineStats:
