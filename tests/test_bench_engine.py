@@ -187,7 +187,8 @@ def test_an_http_error_is_raised_with_the_servers_words(fake_server):
         client_round(host, port, completion_bodies("other", [[1]], 2), 1, timeout_s=60)
 
 
-@pytest.mark.parametrize("extra_args", [[], ["--engine-process"]], ids=["engine-thread", "engine-process"])
+@pytest.mark.parametrize("extra_args", [["--no-engine-process"], ["--engine-process"]],
+                         ids=["engine-thread", "engine-process"])
 def test_online_run_through_megactx_serve(ckpt, extra_args):
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
@@ -276,10 +277,11 @@ def test_the_engine_process_run_gets_its_own_row_and_target():
     results = _fake_results("cuda", 6000.0, 500.0, 4800.0)
     results["online_engine_process"] = _run(SERVE, 64, 5820.0, requests=256)
     speedup, thread, process = evaluate_targets(results)
-    assert thread["passed"] is False and "20.0%" in thread["figure"] and "--engine-process" not in thread["target"]
-    assert process["passed"] is True and "3.0%" in process["figure"] and "--engine-process" in process["target"]
+    assert thread["passed"] is False and "20.0%" in thread["figure"] and "--no-engine-process" in thread["target"]
+    assert process["passed"] is True and "3.0%" in process["figure"] and "engine process (default)" in process["target"]
     md = render_markdown(results, [speedup, thread, process])
-    assert "| engine thread (default) | 64 | 256 |" in md and "| engine process (--engine-process) | 64 | 256 |" in md
+    assert "| engine thread (--no-engine-process) | 64 | 256 |" in md
+    assert "| engine process (default) | 64 | 256 |" in md
     results.pop("online_engine_process")
     results["skipped"].append({"step": "online_engine_process", "reason": "EngineFailed: out of memory"})
     assert "out of memory" in evaluate_targets(results)[2]["note"]  # asked for and failed: said so

@@ -50,12 +50,21 @@ def test_serve_defaults_to_the_shipped_model(tmp_path, monkeypatch):
 
     monkeypatch.setattr("megactx.serve.api.build_app", build_app)
     monkeypatch.setattr("uvicorn.run", lambda app, **kwargs: served.update(app=app, **kwargs))
-    assert main(["serve", "--device", "cpu", "--max-num-seqs", "1", "--port", "8123"]) == 0
+    # the engine in a thread here (serve's default runs it in a process of its own: below)
+    assert main(["serve", "--device", "cpu", "--max-num-seqs", "1", "--port", "8123", "--no-engine-process"]) == 0
     assert served["name"] == "megactx-tiny" and served["app"] == "app" and served["port"] == 8123
     assert served["llm"].cfg.num_hidden_layers == 2 and served["llm"].tokenizer is not None
     assert served["llm"].max_model_len == CPU_MAX_MODEL_LEN  # not the model's 65536 positions, on a CPU
     assert served["llm"].spec.config.num_speculative_tokens == 7  # the checkpoint has an MTP layer
     assert served["handovers"] == 2000.0  # the event budget's default
     assert main(["serve", "--device", "cpu", "--max-num-seqs", "1", "--max-model-len", "128",
-                 "--num-speculative-tokens", "0", "--max-handovers-per-s", "0"]) == 0
+                 "--num-speculative-tokens", "0", "--max-handovers-per-s", "0", "--no-engine-process"]) == 0
     assert served["llm"].max_model_len == 128 and served["llm"].spec is None and served["handovers"] == 0
+
+    class FakeEngineProcess:  # records what serve would spawn a process for
+        def __init__(self, llm_kwargs, log_level):
+            self.llm_kwargs = llm_kwargs
+
+    monkeypatch.setattr("megactx.serve.engine_process.EngineProcess", FakeEngineProcess)
+    assert main(["serve", "--device", "cpu", "--max-num-seqs", "1"]) == 0  # by default: the engine in its own process
+    assert isinstance(served["llm"], FakeEngineProcess) and served["llm"].llm_kwargs["max_num_seqs"] == 1

@@ -229,6 +229,7 @@ def test_the_step_log_has_a_line_for_every_step(model, tmp_path, capsys):
     llm.step_log.close()
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(lines) == llm.stats.steps and all(r["ms"] > 0 and r["graphs"] == 0 for r in lines)
+    assert all(0 <= r["wait_ms"] <= r["ms"] for r in lines)  # the host's wait for tokens is part of the step
     # every prompt position and every generated token but the last is computed once
     assert sum(r["tokens"] for r in lines) == sum(len(p) for p in prompts) + len(prompts) * (GREEDY.max_tokens - 1)
     assert all(r["tokens"] <= 48 for r in lines) and lines[0]["prefill"] >= 1 and lines[-1]["prefill"] == 0
@@ -236,6 +237,7 @@ def test_the_step_log_has_a_line_for_every_step(model, tmp_path, capsys):
     assert steplog.main([str(path), "--slowest", "3"]) == 0
     summary = capsys.readouterr().out
     assert f"{len(lines)} steps" in summary and "decode only" in summary and "with prefill" in summary
+    assert "host p50" in summary
     assert steplog.main([str(tmp_path / "missing.jsonl")]) == 2
 
 

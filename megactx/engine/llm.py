@@ -218,6 +218,7 @@ class LLM:
         log.info("megactx engine: %s", self.memory_report())
         self.step_log = StepLog(step_log) if step_log is not None else None
         self._last_schedule: SchedulerOutput | None = None
+        self._device_wait_s = 0.0  # the step's wait for the device's tokens (for the step log)
         if on_cuda if warm_up is None else warm_up:
             self.warm_up()
 
@@ -351,14 +352,14 @@ class LLM:
         if self.step_log is None:
             return self._step()
         start = time.perf_counter()
-        self._last_schedule = None
+        self._last_schedule, self._device_wait_s = None, 0.0
         deltas = self._step()
         out = self._last_schedule
         if out is not None and not out.is_empty:
             graphs = self.runner.graphs
             self.step_log.record(start, time.perf_counter(), out.scheduled, out.num_batched_tokens,
                                  self.scheduler.num_running, self.scheduler.num_waiting,
-                                 len(graphs.graphs) if graphs else 0)
+                                 len(graphs.graphs) if graphs else 0, None if self.spec else self._device_wait_s)
         if not self.has_unfinished():
             self.step_log.flush()  # idle now: the lines so far are on disk for whoever reads them
         return deltas
@@ -409,8 +410,10 @@ class LLM:
         pending, self._pending = self._pending, None
         if pending is None:
             return []
+        waiting = time.perf_counter()
         tokens, logprobs, top_lps, top_ids = pending.fetch()
         now = time.perf_counter()
+        self._device_wait_s += now - waiting
         deltas = []
         for row, (seq, token) in enumerate(zip(pending.seqs, tokens)):
             position = pending.positions.get(seq.seq_id)

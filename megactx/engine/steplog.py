@@ -6,10 +6,14 @@
 A line: {"pid", "t" (time.perf_counter() at the step's start, s; one clock for every process of a
 machine), "ms" (the step's wall time), "seqs" (sequences scheduled), "tokens" (positions computed),
 "prefill" (chunks that are not single-token decodes), "running", "waiting" (after the step),
-"graphs" (CUDA graphs captured so far: a step that raised it waited for a capture)}. With
-overlapped steps (`async_scheduling`) a step's wall time is its host work plus its wait for the
-step before. Lines are appended (several processes may share a file), flushed at least every
-half second and whenever the engine runs out of work.
+"graphs" (CUDA graphs captured so far: a step that raised it waited for a capture), "wait_ms"
+(of "ms", the host's wait for the device's tokens; not in speculative steps)}. With overlapped
+steps (`async_scheduling`) a step's wall time is its host work plus its wait for the step before:
+a step that waits long is bound by the device. One that hardly waits is bound by the host, or by a
+launch that blocked (a CUDA graph of hundreds of kernels can fill the device's launch queue while
+the step before still runs; the time then shows as host time). Lines are appended (several
+processes may share a file), flushed at least every half second and whenever the engine runs out
+of work.
 """
 
 from __future__ import annotations
@@ -33,12 +37,15 @@ class StepLog:
         self._flushed = time.perf_counter()
 
     def record(self, start: float, end: float, scheduled, num_tokens: int, running: int, waiting: int,
-               graphs: int) -> None:
-        """scheduled: the step's ScheduledSeq list."""
+               graphs: int, device_wait_s: float | None = None) -> None:
+        """scheduled: the step's ScheduledSeq list. device_wait_s: of the step's time, how long the host
+        waited for the device's tokens (None: not known); the rest was host work."""
         prefill = sum(1 for item in scheduled if item.num_tokens > 1 or not item.samples)
-        self.file.write(json.dumps({"pid": self.pid, "t": round(start, 6), "ms": round(1e3 * (end - start), 3),
-                                    "seqs": len(scheduled), "tokens": num_tokens, "prefill": prefill,
-                                    "running": running, "waiting": waiting, "graphs": graphs}) + "\n")
+        line = {"pid": self.pid, "t": round(start, 6), "ms": round(1e3 * (end - start), 3), "seqs": len(scheduled),
+                "tokens": num_tokens, "prefill": prefill, "running": running, "waiting": waiting, "graphs": graphs}
+        if device_wait_s is not None:
+            line["wait_ms"] = round(1e3 * device_wait_s, 3)
+        self.file.write(json.dumps(line) + "\n")
         if end - self._flushed > FLUSH_S:
             self.flush()
 
@@ -61,15 +68,20 @@ def _pct(values: list[float], q: float) -> float:
 
 def step_stats(steps: list[dict]) -> dict:
     """Figures of one process's steps: count, busy seconds, decode-only and with-prefill step
-    p50 / p99 (ms; None without such steps), the longest step, and the steps that captured graphs."""
+    p50 / p99 (ms; None without such steps) and p50 of their host time (the step less its wait for
+    the device; None where the log has no waits), the longest step, and the steps that captured graphs."""
     decode = [r["ms"] for r in steps if not r["prefill"]]
     prefill = [r["ms"] for r in steps if r["prefill"]]
+    host = {kind: [r["ms"] - r["wait_ms"] for r in steps
+                   if bool(r["prefill"]) == (kind == "prefill") and "wait_ms" in r] for kind in ("decode", "prefill")}
     captures = [r for prev, r in zip(steps, steps[1:]) if r["graphs"] > prev["graphs"]]
     return {"steps": len(steps), "busy_s": sum(r["ms"] for r in steps) / 1e3,
             "decode_steps": len(decode), "decode_p50_ms": statistics.median(decode) if decode else None,
             "decode_p99_ms": _pct(decode, 0.99) if decode else None,
             "prefill_steps": len(prefill), "prefill_p50_ms": statistics.median(prefill) if prefill else None,
             "prefill_p99_ms": _pct(prefill, 0.99) if prefill else None,
+            "decode_host_p50_ms": statistics.median(host["decode"]) if host["decode"] else None,
+            "prefill_host_p50_ms": statistics.median(host["prefill"]) if host["prefill"] else None,
             "max_ms": max(r["ms"] for r in steps), "capture_steps": len(captures),
             "capture_s": sum(r["ms"] for r in captures) / 1e3}
 
@@ -85,8 +97,9 @@ def summarize(lines: list[dict], slowest: int = 10) -> str:
         out.append(f"process {pid}: {st['steps']} steps over {span:.2f} s, {st['busy_s']:.2f} s in steps")
         for name, key in (("decode only", "decode"), ("with prefill", "prefill")):
             if st[f"{key}_steps"]:
+                host = st[f"{key}_host_p50_ms"]
                 out.append(f"  {name}: {st[f'{key}_steps']} steps, p50 {st[f'{key}_p50_ms']:.2f} ms, "
-                           f"p99 {st[f'{key}_p99_ms']:.2f} ms")
+                           f"p99 {st[f'{key}_p99_ms']:.2f} ms" + ("" if host is None else f", host p50 {host:.2f} ms"))
         if st["capture_steps"]:
             out.append(f"  {st['capture_steps']} steps captured CUDA graphs: {st['capture_s']:.2f} s")
         out.append(f"  slowest {slowest}:")

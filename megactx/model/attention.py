@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megactx.config import ModelConfig
-from megactx.model.layers import RMSNorm, apply_rope
+from megactx.model.layers import RMSNorm, rope_first
 from megactx.model.paged import PagedLayerCache
 from megactx.model.quant import hadamard, quantize_rows
 
@@ -98,20 +98,18 @@ class Indexer(nn.Module):
         """[DI, DI] fp32 Hadamard rotation applied to q and k before FP8 quantization."""
         return hadamard(self.head_dim, device=device)
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # The first rope_dim dims are rotated (the MLA query puts rope last; the indexer first).
-        rot, rest = x.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
-        return torch.cat([apply_rope(rot, cos, sin, self.rope_interleave), rest], dim=-1)
-
-    def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # The first rope_dim dims are rotated (the MLA query puts rope last; the indexer first). `rope`:
+    # layers.rope_first or its fused kernel (the paged path passes its backend's).
+    def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope=rope_first) -> torch.Tensor:
         """x: [B, S, D] -> k: [B, S, DI], what the indexer cache stores."""
-        return self._rope(self.k_norm(self.wk(x)), cos, sin)
+        return rope(self.k_norm(self.wk(x)), cos, sin, self.rope_interleave, self.rope_dim)
 
-    def queries(self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def queries(self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                rope=rope_first) -> tuple[torch.Tensor, torch.Tensor]:
         """-> q: [B, S, HI, DI], w: [B, S, HI] fp32 (head weights with HI^-1/2 folded in)."""
         B, S, _ = x.shape
-        q = self._rope(self.wq_b(q_resid).view(B, S, self.n_heads, self.head_dim), cos, sin)
+        q = rope(self.wq_b(q_resid).view(B, S, self.n_heads, self.head_dim), cos, sin, self.rope_interleave,
+                 self.rope_dim)
         w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads**-0.5
         return q, w
 
@@ -167,18 +165,19 @@ class MLA(nn.Module):
         self.training_attention = None
 
     # -- projections ------------------------------------------------------------------
-    def project_q(self, x, cos, sin):
-        """x: [B, S, D] -> q_resid [B, S, q_lora], q_nope [B, S, H, dn], q_pe [B, S, H, dr] (roped)."""
+    def project_q(self, x, cos, sin, rope=rope_first):
+        """x: [B, S, D] -> q_resid [B, S, q_lora], q_nope [B, S, H, dn], q_pe [B, S, H, dr] (roped by
+        `rope`: layers.rope_first or its fused kernel)."""
         B, S, _ = x.shape
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(B, S, self.n_heads, self.dn + self.dr)
         q_nope, q_pe = q.split([self.dn, self.dr], dim=-1)
-        return q_resid, q_nope, apply_rope(q_pe, cos, sin, self.cfg.rope_interleave)
+        return q_resid, q_nope, rope(q_pe, cos, sin, self.cfg.rope_interleave)
 
-    def project_kv(self, x, cos, sin):
+    def project_kv(self, x, cos, sin, rope=rope_first):
         """x: [B, S, D] -> c [B, S, r] (normed latent), k_pe [B, S, dr] (roped): the MLA cache entry."""
         c, k_pe = self.kv_a_proj_with_mqa(x).split([self.r, self.dr], dim=-1)
-        return self.kv_a_layernorm(c), apply_rope(k_pe, cos, sin, self.cfg.rope_interleave)
+        return self.kv_a_layernorm(c), rope(k_pe, cos, sin, self.cfg.rope_interleave)
 
     def wkv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj split per head: W_UK [H, dn, r], W_UV [H, dv, r]."""
@@ -261,13 +260,13 @@ class MLA(nn.Module):
         the indexer unless `topk` [T, K] is given (shared layers, KVShare steps), and attends in the
         absorbed form through cache.ops. Returns (out [1, T, D], topk slots [T, K] int32, -1 = none)."""
         batch, ops = cache.batch, cache.ops
-        q_resid, q_nope, q_pe = self.project_q(x, cos, sin)  # [1, T, q_lora], [1, T, H, dn], [1, T, H, dr]
+        q_resid, q_nope, q_pe = self.project_q(x, cos, sin, ops.rope)  # [1, T, q_lora], [1, T, H, dn], [1, T, H, dr]
         fp8_index = cache.index is not None and cache.index.dtype == torch.uint8
         if write_kv:
-            c, k_pe = self.project_kv(x, cos, sin)  # [1, T, r], [1, T, dr]
+            c, k_pe = self.project_kv(x, cos, sin, ops.rope)  # [1, T, r], [1, T, dr]
             index_k = None
             if self.indexer is not None and cache.index is not None:
-                index_k = self.indexer.keys(x, cos, sin)[0]  # [T, DI]
+                index_k = self.indexer.keys(x, cos, sin, ops.rope)[0]  # [T, DI]
                 if fp8_index:  # rotated before quantization, as in Indexer.scores(fp8=True)
                     index_k = index_k.float() @ self.indexer.rotation(x.device)
             ops.write_kv(c[0], k_pe[0], batch.slots, cache.kv, index_k, cache.index)
@@ -275,7 +274,7 @@ class MLA(nn.Module):
         if topk is None:
             if self.indexer is None or cache.index is None:
                 raise ValueError("a shared-indexer layer needs the top-k of its full layer")
-            q_idx, w = self.indexer.queries(x, q_resid, cos, sin)  # [1, T, HI, DI], [1, T, HI] fp32
+            q_idx, w = self.indexer.queries(x, q_resid, cos, sin, ops.rope)  # [1, T, HI, DI], [1, T, HI] fp32
             q_idx, w = q_idx[0], w[0] * self.indexer.head_dim**-0.5
             if fp8_index:
                 q_idx, q_scale = quantize_rows(q_idx.float() @ self.indexer.rotation(x.device))  # e4m3, [T, HI]

@@ -23,6 +23,7 @@ from megactx.config import ModelConfig
 # A module object, not names from it: kernels.reference imports model.quant, so while it loads first
 # this module can be imported with it half-initialised; its attributes are only read at call time.
 from megactx.kernels import reference as ref
+from megactx.model.layers import rope_first
 
 # The indexer computes logits for this many bytes of [query rows × keys] at a time (fp32), then
 # keeps each row's top-k: a 1M-token prefill never materialises its [1M × 1M] logits.
@@ -33,11 +34,12 @@ CACHE_DTYPES = {"fp8": torch.uint8, "bf16": torch.bfloat16, "fp32": torch.float3
 
 @dataclass(frozen=True)
 class KernelOps:
-    """The three kernels of a paged attention layer; both backends share these signatures."""
+    """The kernels of a paged attention layer; both backends share these signatures."""
 
     write_kv: Callable  # (c, k_pe, slots, kv_cache, index_k, index_cache) -> None
     indexer_topk: Callable  # (q, w, index_cache, block_table, seq_idx, key_len, k, chunk_tokens, key_len_host)
     sparse_mla: Callable  # (q, kv_cache, topk_slots, softmax_scale, kv_lora_rank) -> (out, lse)
+    rope: Callable = rope_first  # (x, cos, sin, interleave, rope_dims=None) -> roped copy of x
 
 
 def kernel_ops(backend: str) -> KernelOps:
@@ -47,9 +49,10 @@ def kernel_ops(backend: str) -> KernelOps:
     if backend == "triton":
         from megactx.kernels.indexer import indexer_topk_chunked
         from megactx.kernels.kv_write import write_kv
+        from megactx.kernels.rope import rope_first as fused_rope
         from megactx.kernels.sparse_mla import sparse_mla
 
-        return KernelOps(write_kv, indexer_topk_chunked, sparse_mla)
+        return KernelOps(write_kv, indexer_topk_chunked, sparse_mla, fused_rope)
     raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
 
 

@@ -1,0 +1,88 @@
+"""Fused rotary embedding: one kernel where `megactx.model.layers.rope_first` (its twin) takes three.
+
+`rope_first(x, cos, sin, interleave, rope_dims)` rotates the first `rope_dims` dims of every head of
+x and passes the rest through, writing the rotated pairs half-split ([firsts | seconds]) as the
+twin does. In PyTorch that is a gather (cat), a mul and an addcmul, plus a cat for the passed-through
+dims; a decode step of a small model is bound by its kernel count (and a CUDA graph's launch by its
+node count), and rope runs twice a layer, four times on a full layer. Here: one program per token,
+every head of it; fp32 inside, one rounding (round to nearest even, on the GPU and in the
+interpreter alike).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from megactx.kernels.common import check_device
+from megactx.kernels.kv_write import _to_bf16
+
+
+@triton.jit
+def _rope_kernel(
+    x_ptr, stride_xb, stride_xs, stride_xh,   # x: [B, S, H, D], last dim contiguous
+    cos_ptr, sin_ptr, stride_cb, stride_cs,   # cos / sin: [B or 1, S, ROPE] ([cos | cos], [-sin | sin])
+    out_ptr,                                  # [B, S, H, D] contiguous
+    S, H,
+    D: tl.constexpr, ROPE: tl.constexpr, INTERLEAVE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    b, s = tok // S, tok % S
+    HALF: tl.constexpr = ROPE // 2
+    i = tl.arange(0, BLOCK_HALF)
+    c = tl.load(cos_ptr + b * stride_cb + s * stride_cs + i, mask=i < HALF, other=0.0).to(tl.float32)
+    sn = tl.load(sin_ptr + b * stride_cb + s * stride_cs + HALF + i, mask=i < HALF, other=0.0).to(tl.float32)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
+    mask = (h < H) & (i[None, :] < HALF)
+    row = x_ptr + b * stride_xb + s * stride_xs + h * stride_xh
+    if INTERLEAVE:  # pairs (0, 1), (2, 3), ...
+        x1 = tl.load(row + 2 * i[None, :], mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(row + 2 * i[None, :] + 1, mask=mask, other=0.0).to(tl.float32)
+    else:  # pairs (i, i + ROPE / 2)
+        x1 = tl.load(row + i[None, :], mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(row + HALF + i[None, :], mask=mask, other=0.0).to(tl.float32)
+    first = x1 * c[None, :] - x2 * sn[None, :]
+    second = x2 * c[None, :] + x1 * sn[None, :]
+    out = out_ptr + (tok * H + h) * D
+    if OUT_BF16:
+        tl.store(out + i[None, :], _to_bf16(first), mask=mask)
+        tl.store(out + HALF + i[None, :], _to_bf16(second), mask=mask)
+    else:
+        tl.store(out + i[None, :], first.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out + HALF + i[None, :], second.to(out_ptr.dtype.element_ty), mask=mask)
+    if ROPE < D:  # the dims after the rotated ones, as they are
+        j = ROPE + tl.arange(0, BLOCK_REST)[None, :]
+        rest_mask = (h < H) & (j < D)
+        tl.store(out + j, tl.load(row + j, mask=rest_mask, other=0.0), mask=rest_mask)
+
+
+def rope_first(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool,
+               rope_dims: int | None = None) -> torch.Tensor:
+    """x: [B, S, D] or [B, S, H, D] (any strides but the last dim's 1), cos/sin: [B or 1, S, rope_dims]
+    from `Rotary` -> a new contiguous tensor like x: its first rope_dims dims (default all) rotated
+    and laid out half-split, the rest copied. Same contract as the twin `layers.rope_first`."""
+    check_device(x, cos, sin)
+    D = x.shape[-1]
+    rope_dims = D if rope_dims is None else rope_dims
+    if rope_dims % 2 or not 0 < rope_dims <= D or cos.shape[-1] != rope_dims or sin.shape != cos.shape:
+        raise ValueError(f"rope over {rope_dims} of {D} dims needs an even count and cos/sin of that width, got "
+                         f"cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
+    x4 = x if x.dim() == 4 else x.unsqueeze(2)  # [B, S, H, D]
+    if x4.stride(-1) != 1:
+        x4 = x4.contiguous()
+    if cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    B, S, H, _ = x4.shape
+    out = torch.empty(x4.shape, dtype=x.dtype, device=x.device)
+    if out.numel():
+        block_h = min(triton.next_power_of_2(H), 16)
+        _rope_kernel[(B * S, triton.cdiv(H, block_h))](
+            x4, x4.stride(0), x4.stride(1), x4.stride(2),
+            cos, sin, cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1), out, S, H,
+            D=D, ROPE=rope_dims, INTERLEAVE=interleave, BLOCK_H=block_h,
+            BLOCK_HALF=triton.next_power_of_2(rope_dims // 2),
+            BLOCK_REST=triton.next_power_of_2(max(D - rope_dims, 1)), OUT_BF16=x.dtype == torch.bfloat16)
+    return out.view(x.shape)
