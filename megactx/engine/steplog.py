@@ -70,20 +70,19 @@ def step_stats(steps: list[dict]) -> dict:
     """Figures of one process's steps: count, busy seconds, decode-only and with-prefill step
     p50 / p99 (ms; None without such steps) and p50 of their host time (the step less its wait for
     the device; None where the log has no waits), the longest step, and the steps that captured graphs."""
-    decode = [r["ms"] for r in steps if not r["prefill"]]
-    prefill = [r["ms"] for r in steps if r["prefill"]]
-    host = {kind: [r["ms"] - r["wait_ms"] for r in steps
-                   if bool(r["prefill"]) == (kind == "prefill") and "wait_ms" in r] for kind in ("decode", "prefill")}
+    kinds = {"decode": [r for r in steps if not r["prefill"]], "prefill": [r for r in steps if r["prefill"]]}
+    ms = {kind: [r["ms"] for r in rs] for kind, rs in kinds.items()}
+    host = {kind: [r["ms"] - r["wait_ms"] for r in rs if "wait_ms" in r] for kind, rs in kinds.items()}
     captures = [r for prev, r in zip(steps, steps[1:]) if r["graphs"] > prev["graphs"]]
-    return {"steps": len(steps), "busy_s": sum(r["ms"] for r in steps) / 1e3,
-            "decode_steps": len(decode), "decode_p50_ms": statistics.median(decode) if decode else None,
-            "decode_p99_ms": _pct(decode, 0.99) if decode else None,
-            "prefill_steps": len(prefill), "prefill_p50_ms": statistics.median(prefill) if prefill else None,
-            "prefill_p99_ms": _pct(prefill, 0.99) if prefill else None,
-            "decode_host_p50_ms": statistics.median(host["decode"]) if host["decode"] else None,
-            "prefill_host_p50_ms": statistics.median(host["prefill"]) if host["prefill"] else None,
-            "max_ms": max(r["ms"] for r in steps), "capture_steps": len(captures),
-            "capture_s": sum(r["ms"] for r in captures) / 1e3}
+    figures = {"steps": len(steps), "busy_s": sum(r["ms"] for r in steps) / 1e3}
+    for kind in kinds:
+        figures |= {f"{kind}_steps": len(ms[kind]),
+                    f"{kind}_p50_ms": statistics.median(ms[kind]) if ms[kind] else None,
+                    f"{kind}_p99_ms": _pct(ms[kind], 0.99) if ms[kind] else None,
+                    f"{kind}_host_p50_ms": statistics.median(host[kind]) if host[kind] else None}
+    return figures | {
+        "max_ms": max(r["ms"] for r in steps), "capture_steps": len(captures),
+        "capture_s": sum(r["ms"] for r in captures) / 1e3}
 
 
 def summarize(lines: list[dict], slowest: int = 10) -> str:

@@ -14,14 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
-from megactx.kernels.common import check_device
+from megactx.kernels.common import check_device, to_bf16
 from megactx.kernels.reference import BLOCK_SIZE, SCALE_GROUP, mla_fp8_bytes
 
 _FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 # ------------------------------------------------------------------------------ rounding
-# The casts are done on the bits rather than with `.to(tl.float8e4nv)` / `.to(tl.bfloat16)`:
+# The casts are done on the bits rather than with `.to(tl.float8e4nv)` / `.to(tl.bfloat16)` (bf16: common.to_bf16):
 # the interpreter (CPU CI) truncates fp32 -> bf16 and rounds fp8 ties away from zero, while the
 # GPU rounds to nearest even. By hand, the CPU tests check exactly the code the GPU runs, and
 # both agree bit for bit with torch's casts. A handful of integer ops on a memory-bound kernel.
@@ -41,20 +41,10 @@ def _e4m3_bits(x):
 
 
 @triton.jit
-def _to_bf16(x):
-    """x: fp32/fp16/bf16 -> bf16, round to nearest even (finite inputs)."""
-    if x.dtype == tl.bfloat16:
-        return x
-    bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
 def _to_cache(x, BF16: tl.constexpr):
     """x -> the element type of an exact cache: bf16 (rounded to nearest even) or fp32."""
     if BF16:
-        y = _to_bf16(x)
+        y = to_bf16(x)
     else:
         y = x.to(tl.float32)
     return y
@@ -110,7 +100,7 @@ def _write_kv_kernel(
         tl.store(row + d, values, mask=mask)
         gs = tl.arange(0, BLOCK_R // GROUP)
         tl.store((row + R).to(tl.pointer_type(tl.float32)) + gs, scale, mask=gs < NG)
-        tl.store((row + R + 4 * NG).to(tl.pointer_type(tl.bfloat16)) + d_pe, _to_bf16(pe), mask=d_pe < DR)
+        tl.store((row + R + 4 * NG).to(tl.pointer_type(tl.bfloat16)) + d_pe, to_bf16(pe), mask=d_pe < DR)
     else:
         row = kv_ptr + slot * (R + DR)
         d = tl.arange(0, BLOCK_R)

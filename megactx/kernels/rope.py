@@ -15,8 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megactx.kernels.common import check_device
-from megactx.kernels.kv_write import _to_bf16
+from megactx.kernels.common import check_device, to_bf16
 
 
 @triton.jit
@@ -48,8 +47,8 @@ def _rope_kernel(
     second = x2 * c[None, :] + x1 * sn[None, :]
     out = out_ptr + (tok * H + h) * D
     if OUT_BF16:
-        tl.store(out + i[None, :], _to_bf16(first), mask=mask)
-        tl.store(out + HALF + i[None, :], _to_bf16(second), mask=mask)
+        tl.store(out + i[None, :], to_bf16(first), mask=mask)
+        tl.store(out + HALF + i[None, :], to_bf16(second), mask=mask)
     else:
         tl.store(out + i[None, :], first.to(out_ptr.dtype.element_ty), mask=mask)
         tl.store(out + HALF + i[None, :], second.to(out_ptr.dtype.element_ty), mask=mask)
