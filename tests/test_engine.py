@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megactx import LLM, ModelConfig, SamplingParams
-from megactx.engine.model_runner import EagerCapture, StaticBatch
+from megactx.engine.model_runner import EagerCapture, StaticBatch, StepGraphs
 from megactx.model import build_model
 from megactx.model.paged import host_block_table
 
@@ -276,13 +276,41 @@ def test_without_max_model_len_the_context_shrinks_to_the_cache_and_a_given_one_
         LLM(model, device="cpu", max_num_seqs=2, cpu_cache_bytes=10 * block, max_model_len=1024)
 
 
+def test_mixed_graphs_cover_the_step_token_budget(model):
+    """A step of the whole token budget (a batch of new prompts) replays a graph, up to MAX_ROWS;
+    eager beyond that. Row buckets double from MIN_ROWS and end at the budget."""
+    for budget, last in ((300, 300), (8192, 8192), (20000, StepGraphs.MAX_ROWS)):
+        llm = LLM(model, device="cpu", num_blocks=8, max_num_batched_tokens=budget, warm_up=False)
+        graphs = llm.runner.use_graphs(EagerCapture(), min_keys=64)
+        assert graphs.row_buckets[0] == StepGraphs.MIN_ROWS and graphs.row_buckets[-1] == last
+        assert all(b == 2 * a for a, b in zip(graphs.row_buckets, graphs.row_buckets[1:-1]))
+
+
+def test_static_batch_ragged_rows_of_prefill_chunks_and_decodes():
+    """fill_ragged: each sequence's tokens in consecutive rows with their positions, slots (across
+    block edges) and key counts; padding rows after them; sample_rows at the sampling chunks' ends."""
+    batch = StaticBatch(max_seqs=4, q=1, max_blocks=4, device=torch.device("cpu"), rows=160)
+    table = host_block_table([[5, 2, 9], [7], [3]], 3)
+    # a 70-token chunk from position 60 (blocks 5 -> 2 -> 9), one decode at 10, a 2-token chunk at 0
+    batch.fill_ragged(table, [60, 10, 0], [list(range(100, 170)), [7], [8, 9]], rows=96, samples=[1, 2])
+    view = batch.view(3, 256, rows=96)
+    positions = list(range(60, 130)) + [10, 0, 1]
+    assert view.positions.tolist() == positions + [0] * 23
+    slots = [5 * 64 + p for p in range(60, 64)] + [2 * 64 + p - 64 for p in range(64, 128)] + [9 * 64, 9 * 64 + 1]
+    assert view.slots.tolist() == slots + [7 * 64 + 10, 3 * 64, 3 * 64 + 1] + [-1] * 23
+    assert view.seq_idx.tolist() == [0] * 70 + [1, 2, 2] + [0] * 23
+    assert view.key_len.tolist() == [p + 1 for p in positions] + [0] * 23
+    assert batch.input_ids[:73].tolist() == list(range(100, 170)) + [7, 8, 9]
+    assert batch.sample_rows.tolist() == [70, 72, 0, 0]
+
+
 def test_static_batch_rows_past_each_sequence_are_padding():
     """Token i of sequence b sits in row b·q + i; every other row sees no key and writes nothing."""
     batch = StaticBatch(max_seqs=4, q=3, max_blocks=4, device=torch.device("cpu"))
     table = host_block_table([[5, 2], [7]], 3)  # batch bucket 3: sequence 2 is padding
     rows = batch.fill(table, [63, 10], [[11, 12, 13], [14]])
     view = batch.view(3, 128)
-    assert rows.tolist() == [0, 1, 2, 3]
+    assert rows == [0, 1, 2, 3]
     assert batch.input_ids[:9].tolist() == [11, 12, 13, 14, 0, 0, 0, 0, 0]
     assert view.positions.tolist() == [63, 64, 65, 10, 10, 10, 0, 0, 0]  # position 64 is block 2's first
     assert view.slots.tolist() == [5 * 64 + 63, 2 * 64, 2 * 64 + 1, 7 * 64 + 10, -1, -1, -1, -1, -1]

@@ -83,6 +83,22 @@ class _Pending:
         return (lists[0], None, None, None) if len(lists) == 1 else tuple(lists)
 
 
+class _Completion:
+    """The streaming state of one completion of a request. Its decoded text lives in three bounded
+    parts: what was streamed (`output`'s pieces), `unsent` (decoded, not streamed yet: at most the
+    held-back characters and the last step's), and `tail`, its last `hold` characters, in which a
+    stop string that ends in the next token's text must start."""
+
+    __slots__ = ("output", "detok", "unsent", "tail", "last_token_time")
+
+    def __init__(self, output: CompletionOutput, detok: IncrementalDetokenizer | None):
+        self.output = output
+        self.detok = detok
+        self.unsent = ""
+        self.tail = ""
+        self.last_token_time: float | None = None
+
+
 class _Request:
     def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
                  seqs: list[Seq], tokenizer: Tokenizer | None):
@@ -91,15 +107,9 @@ class _Request:
                                      for i in range(len(seqs))], arrival_time=time.perf_counter())
         self.params = params
         self.seqs = seqs
-        self.detoks = [IncrementalDetokenizer(tokenizer, prompt_ids) if tokenizer else None for _ in seqs]
-        # Each completion's decoded text lives in three bounded parts: what was streamed (the
-        # CompletionOutput's pieces), `unsent` (decoded, not streamed yet: at most the held-back
-        # characters and the last step's), and `tail`, its last `hold` characters, in which a stop
-        # string that ends in the next token's text must start.
+        self.completions = [_Completion(out, IncrementalDetokenizer(tokenizer, prompt_ids) if tokenizer else None)
+                            for out in self.output.outputs]
         self.hold = max((len(s) - 1 for s in params.stop), default=0)  # could start a stop string: held back
-        self.unsent = [""] * len(seqs)
-        self.tail = [""] * len(seqs)
-        self.last_token_time: list[float | None] = [None] * len(seqs)
 
 
 class LLM:
@@ -182,14 +192,15 @@ class LLM:
                                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                          gpu_memory_utilization=gpu_memory_utilization,
                                          cpu_cache_bytes=cpu_cache_bytes, backend=self.backend,
-                                         shrink_to_fit=max_model_len is None)
+                                         cuda_graphs=cuda_graphs, shrink_to_fit=max_model_len is None)
             if num_blocks * BLOCK_SIZE < self.max_model_len:  # no max_model_len given: the longest that fits
                 log.warning("megactx engine: the model's %d positions do not fit the KV cache; max_model_len = %d "
                             "(pass max_model_len, a smaller max_num_seqs or more memory to choose)",
                             self.max_model_len, num_blocks * BLOCK_SIZE)
                 self.max_model_len = num_blocks * BLOCK_SIZE
         self.runner = ModelRunner(self.model, CacheConfig(kv_dtype, index_dtype, num_blocks), self.backend,
-                                  max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, cuda_graphs=cuda_graphs)
+                                  max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
+                                  max_num_batched_tokens=max_num_batched_tokens, cuda_graphs=cuda_graphs)
         self.block_manager = BlockManager(num_blocks, enable_prefix_caching=enable_prefix_caching,
                                           recompute_last_hit_block=spec is not None)
         self.scheduler = Scheduler(SchedulerConfig(max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
@@ -234,9 +245,10 @@ class LLM:
 
     def warm_up(self) -> None:
         """Run, on dummy requests, the step shapes that traffic meets, then forget them: steps of
-        every row bucket of the mixed graphs up to the token budget; eager steps of the whole budget,
-        once with every length a multiple of 16 and once odd (Triton compiles a kernel again for each
-        class of its integer arguments: 1, multiples of 16, others); and a decode step of every batch
+        every row bucket of the mixed graphs up to the token budget; steps of the whole budget (eager
+        where it exceeds the largest row bucket), once with every length a multiple of 16 and once odd
+        (Triton compiles a kernel again for each class of its integer arguments: 1, multiples of 16,
+        others); and a decode step of every batch
         bucket. Without it the first step of each new shape waits for a CUDA graph capture or a
         Triton compile (tens of ms to seconds), which a server meets again and again as requests
         arrive apart. Contexts past the token budget still capture their key buckets' graphs, and
@@ -377,8 +389,7 @@ class LLM:
         if (pending := self._pending) is not None:  # decodes whose input is the last step's token
             ends = itertools.accumulate(item.num_tokens for item in out.scheduled)  # past each chunk's last token
             last = [(end - 1, pending.rows[item.seq.seq_id]) for end, item in zip(ends, out.scheduled)
-                    if item.seq.seq_id in pending.rows and item.end == item.seq.num_tokens
-                    and item.seq.token_ids[-1] == PENDING_TOKEN]
+                    if item.samples and item.seq.token_ids[-1] == PENDING_TOKEN and item.seq.seq_id in pending.rows]
             if last:
                 rows = to_device([r for _, r in last], self.device)
                 fed = DeviceTokens([t for t, _ in last], pending.tokens.index_select(0, rows))
@@ -419,11 +430,12 @@ class LLM:
             position = pending.positions.get(seq.seq_id)
             if position is not None and position < seq.num_tokens:
                 seq.token_ids[position] = token
-            if seq.seq_id not in self._seqs or seq.is_finished:
+            owner = self._seqs.get(seq.seq_id)
+            if owner is None or seq.is_finished:
                 continue  # aborted, or finished by the step before (this token was computed in vain)
-            request, index = self._seqs[seq.seq_id]
+            request, index = owner
             lps = None
-            if request.output.outputs[index].logprobs is not None:
+            if request.params.logprobs is not None:
                 k = request.params.logprobs
                 lps = [TokenLogprobs(token, logprobs[row], dict(zip(top_ids[row][:k], top_lps[row][:k])))]
             deltas.append(self._emit(request, index, seq, [token], lps, now))
@@ -465,48 +477,48 @@ class LLM:
     def _emit(self, request: _Request, index: int, seq: Seq, tokens: list[int], logprobs: list[TokenLogprobs] | None,
               now: float) -> Delta:
         """Add a step's tokens (logprobs: one entry a token, or None) to a completion in order, until
-        one of them finishes it (the rest are dropped), and return what became visible."""
-        completion = request.output.outputs[index]
-        last_time = request.last_token_time[index]
+        one of them finishes it (the rest are dropped), and return what became visible. (Runs for
+        every sequence every step: the state it touches is in locals.)"""
+        state = request.completions[index]
+        completion = state.output
+        last_time = state.last_token_time
         if last_time is None and request.output.first_token_time is None:
             request.output.first_token_time = now
             request.output.num_cached_tokens = seq.num_cached_tokens
             self.stats.time_to_first_token.append(now - request.output.arrival_time)
-        request.last_token_time[index] = now
+        state.last_token_time = now
 
-        detok = request.detoks[index]
-        taken: list[int] = []
+        detok, params, hold, token_ids = state.detok, request.params, request.hold, completion.token_ids
+        taken = 0
         cut = None  # characters of unsent that stay when a stop ends the completion
         for token in tokens:
-            completion.token_ids.append(token)
-            taken.append(token)
+            token_ids.append(token)
+            taken += 1
             piece = detok.add([token]) if detok is not None else ""
-            tail = request.tail[index]
-            window = tail + piece  # the text a stop string ending in the new characters lies in
-            finished, reason, cut_at = check_stop(completion.token_ids, window, len(piece), request.params,
-                                                  self.eos_token_ids)
+            window = state.tail + piece  # the text a stop string ending in the new characters lies in
+            finished, reason, cut_at = check_stop(token_ids, window, len(piece), params, self.eos_token_ids)
             if cut_at is not None:
-                cut = len(request.unsent[index]) - len(tail) + cut_at
-            request.unsent[index] += piece
-            request.tail[index] = window[max(0, len(window) - request.hold):] if request.hold else ""
-            if not finished and seq.num_prompt_tokens + len(completion.token_ids) >= self.max_model_len:
+                cut = len(state.unsent) - len(state.tail) + cut_at
+            state.unsent += piece
+            state.tail = window[max(0, len(window) - hold):] if hold else ""
+            if not finished and seq.num_prompt_tokens + len(token_ids) >= self.max_model_len:
                 finished, reason = True, "length"
             if finished:
                 break
-        self.stats.generation_tokens += len(taken)
+        self.stats.generation_tokens += taken
         if last_time is not None:
             # a step that emits several tokens (speculative decoding) spreads its gap over them
-            self.stats.inter_token_latency.extend([(now - last_time) / len(taken)] * len(taken))
+            self.stats.inter_token_latency.extend([(now - last_time) / taken] * taken)
         if logprobs is not None:
-            logprobs = logprobs[: len(taken)]
+            logprobs = logprobs[:taken]
             completion.logprobs.extend(logprobs)
-        unsent = request.unsent[index]
+        unsent = state.unsent
         if finished:
             if cut is not None:
                 unsent = unsent[:cut]
             elif detok is not None and reason == "length":  # nothing is coming to complete a character
                 unsent += detok.flush()
-            delta_text, request.unsent[index] = unsent, ""
+            delta_text, state.unsent = unsent, ""
             completion.finish_reason = reason
             self.scheduler.finish(seq)
             self._forget(seq)
@@ -514,11 +526,11 @@ class LLM:
                 request.output.finish_time = now
                 self.requests.pop(request.output.request_id, None)
         else:
-            visible = max(0, len(unsent) - request.hold)
-            delta_text, request.unsent[index] = unsent[:visible], unsent[visible:]
+            visible = max(0, len(unsent) - hold)
+            delta_text, state.unsent = unsent[:visible], unsent[visible:]
         if delta_text:
             completion._pieces.append(delta_text)
-        return Delta(request.output.request_id, index, delta_text, taken, logprobs, completion.finish_reason)
+        return Delta(request.output.request_id, index, delta_text, tokens[:taken], logprobs, completion.finish_reason)
 
     # ---------------------------------------------------------------------------- front ends
     def generate(self, prompts: Prompt | Sequence[Prompt],

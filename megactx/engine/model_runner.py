@@ -18,10 +18,11 @@ past a sequence's tokens (and every row of the sequences past B) is a padding ro
 Steps with prefill chunks (a prompt, or new arrivals mixed with decodes: most steps of a server
 under load) replay "mixed" graphs, one per (row bucket, key bucket): the step's tokens in ragged
 rows (each sequence's consecutive, `StaticBatch.fill_ragged`), padded to the next power-of-two row
-count, the logits taken at the rows that sample. An eager step of the tiny model took ~13 ms on the
-H200 (hundreds of launches), its graphed decode step ~1.2 ms. Steps past the largest row bucket or
-with a large indexer logits buffer (long prefills, bound by the device) run eagerly, as does
-everything on a CPU.
+count up to the step token budget (at most MAX_ROWS), the logits taken at the rows that sample.
+On the H200 an eager decode step of the tiny model took ~13 ms (hundreds of launches), its graphed
+one ~1.2 ms; an eager step of 64 new 128-token prompts 17 ms (15 ms of it host time, 3.7 ms of
+device time). Steps past the largest row bucket or with a large indexer logits buffer (long
+prefills, bound by the device) run eagerly, as does everything on a CPU.
 
 Capture and replay go through a `Capture`: `CudaGraphCapture` (torch.cuda.CUDAGraph, one memory
 pool for all graphs) on CUDA; `EagerCapture` calls the captured function again at each replay, so
@@ -33,8 +34,10 @@ otherwise write into live KV blocks; state one graph hands to another goes throu
 allocated outside the pool, and a graph's own outputs are read before any other graph replays.
 
 Cache sizing: on CUDA, the blocks fill `gpu_memory_utilization` of the device after the weights
-and a profiled forward of `max_num_batched_tokens` tokens (activations); on a CPU, they hold
-`max_num_seqs` sequences of `max_model_len` tokens, capped by `cpu_cache_bytes`.
+and a profiled forward of `max_num_batched_tokens` tokens (activations), counted twice when CUDA
+graphs are on: the graphs' memory pool holds a mixed step's activations beside the ones an eager
+step allocates. On a CPU the blocks hold `max_num_seqs` sequences of `max_model_len` tokens,
+capped by `cpu_cache_bytes`.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from megactx.engine.scheduler import ScheduledSeq
@@ -57,7 +61,6 @@ from megactx.model.paged import (
     copy_from_host_,
     host_block_table,
     kernel_ops,
-    slots_of,
     to_device,
 )
 from megactx.model.transformer import Transformer
@@ -75,9 +78,11 @@ class CacheConfig:
 
 def plan_num_blocks(model: Transformer, kv_dtype: torch.dtype, index_dtype: torch.dtype, *, max_model_len: int,
                     max_num_seqs: int, max_num_batched_tokens: int, gpu_memory_utilization: float = 0.9,
-                    cpu_cache_bytes: int = 4 << 30, backend: str = "torch", shrink_to_fit: bool = False) -> int:
+                    cpu_cache_bytes: int = 4 << 30, backend: str = "torch", cuda_graphs: bool = False,
+                    shrink_to_fit: bool = False) -> int:
     """How many KV blocks fit (see the module docstring). Raises if not even one sequence of
-    max_model_len fits, unless shrink_to_fit (the caller then lowers max_model_len to what fits)."""
+    max_model_len fits, unless shrink_to_fit (the caller then lowers max_model_len to what fits).
+    cuda_graphs: the runner will capture graphs (their pool is counted)."""
     cfg = model.cfg
     per_block = cache_bytes_per_token(cfg, kv_dtype, index_dtype) * BLOCK_SIZE
     device = next(model.parameters()).device
@@ -87,8 +92,11 @@ def plan_num_blocks(model: Transformer, kv_dtype: torch.dtype, index_dtype: torc
         torch.cuda.reset_peak_memory_stats(device)
         weights = sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
         held = torch.cuda.memory_allocated(device) - weights  # by this process, besides this model
+        before = torch.cuda.memory_allocated(device)
         _profile_forward(model, max_num_batched_tokens, kv_dtype, index_dtype, backend)
         peak = torch.cuda.max_memory_allocated(device)
+        if cuda_graphs and backend == "triton":
+            peak += peak - before  # the graph pool's activations, beside an eager step's
         free, total = torch.cuda.mem_get_info(device)
         used_by_others = total - free - torch.cuda.memory_reserved(device)
         budget = int(total * gpu_memory_utilization) - used_by_others - peak
@@ -127,7 +135,7 @@ def _profile_forward(model: Transformer, num_tokens: int, kv_dtype, index_dtype,
 
 class ModelRunner:
     def __init__(self, model: Transformer, cache: CacheConfig, backend: str, *, max_num_seqs: int = 64,
-                 max_model_len: int | None = None, cuda_graphs: bool = True):
+                 max_model_len: int | None = None, max_num_batched_tokens: int = 8192, cuda_graphs: bool = True):
         self.model = model
         self.cfg = model.cfg
         self.device = next(model.parameters()).device
@@ -136,6 +144,7 @@ class ModelRunner:
         self.caches = alloc_caches(self.cfg, cache.num_blocks, cache.kv_dtype, cache.index_dtype, self.device)
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len or self.cfg.max_position_embeddings
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.graphs: StepGraphs | None = None
         # the torch twins select with boolean masks (a host sync): only the Triton kernels capture
         if cuda_graphs and self.device.type == "cuda" and backend == "triton":
@@ -146,7 +155,7 @@ class ModelRunner:
         through `capture` from now on; what cuda_graphs=True does on CUDA. Tests pass an
         `EagerCapture` (and a small min_keys, the smallest key bucket) to run that path on a CPU."""
         self.graphs = StepGraphs(self, capture, self.max_num_seqs, self.max_model_len,
-                                 StepGraphs.MIN_KEYS if min_keys is None else min_keys)
+                                 StepGraphs.MIN_KEYS if min_keys is None else min_keys, self.max_num_batched_tokens)
         return self.graphs
 
     @property
@@ -205,10 +214,10 @@ class DeviceTokens:
     positions: list[int]
     values: torch.Tensor  # [J] int64 on the device
 
-    def put(self, input_ids: torch.Tensor, rows: torch.Tensor | None = None) -> None:
-        """Write them into input_ids [rows] (device); rows: [T] host int64, the row of each of the
+    def put(self, input_ids: torch.Tensor, rows: Sequence[int] | None = None) -> None:
+        """Write them into input_ids [rows] (device); rows: [T] host ints, the row of each of the
         step's tokens (a graph's static layout), None when token t sits in row t."""
-        at = self.positions if rows is None else rows[self.positions]
+        at = self.positions if rows is None else [rows[p] for p in self.positions]
         input_ids.index_copy_(0, to_device(at, input_ids.device), self.values)
 
 
@@ -298,7 +307,11 @@ def _buckets(largest: int, first: int) -> list[int]:
 class StaticBatch:
     """Static device buffers of one forward's inputs for up to max_seqs sequences of at most q
     tokens each, flattened: token i of sequence b is row b·q + i. Rows a fill() leaves empty are
-    padding rows (key_len 0, slot -1: they see no keys and write nothing)."""
+    padding rows (key_len 0, slot -1: they see no keys and write nothing).
+
+    A fill runs every step on the host: it builds the rows in Python lists (per sequence, with
+    C-speed list extends: a decode step is 64 rows, a prefill chunk one range), packs them with
+    numpy, and sends them in one copy per dtype (the per-row buffers are rows of one tensor)."""
 
     def __init__(self, max_seqs: int, q: int, max_blocks: int, device: torch.device, rows: int | None = None):
         """rows: a ragged batch of that many rows (fill_ragged), where q = 1 and a sequence's tokens
@@ -306,13 +319,14 @@ class StaticBatch:
         n = rows or max_seqs * q
         self.q = q
         self.ragged = rows is not None
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)  # [n]: each row's token
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slots = torch.full((n,), -1, dtype=torch.long, device=device)
-        self.seq_idx = (torch.zeros(n, dtype=torch.int32, device=device) if self.ragged
-                        else torch.arange(max_seqs, dtype=torch.int32, device=device).repeat_interleave(q))
+        self._rows64 = torch.zeros(3, n, dtype=torch.long, device=device)  # token, position, slot of each row
+        self._rows32 = torch.zeros(2, n, dtype=torch.int32, device=device)  # sequence, key count of each row
+        self.input_ids, self.positions, self.slots = self._rows64  # [n] views
+        self.seq_idx, self.key_len = self._rows32
+        self.slots.fill_(-1)
+        if not self.ragged:
+            self.seq_idx.copy_(torch.arange(max_seqs, dtype=torch.int32).repeat_interleave(q))
         self.sample_rows = torch.zeros(max_seqs, dtype=torch.long, device=device)  # ragged: rows that sample
-        self.key_len = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_table = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, device=device)
 
     def view(self, bsz: int, max_keys: int, rows: int | None = None) -> PagedBatch:
@@ -329,27 +343,26 @@ class StaticBatch:
         self.key_len.zero_()
         self.sample_rows.zero_()  # a smaller row bucket's graph must not index past its rows
 
-    def fill(self, table: torch.Tensor, starts: Sequence[int], token_ids: Sequence[Sequence[int]]) -> torch.Tensor:
+    def fill(self, table: torch.Tensor, starts: Sequence[int], token_ids: Sequence[Sequence[int]]) -> list[int]:
         """Sequence b < len(starts) computes positions starts[b] .. starts[b] + len(token_ids[b]) - 1
         (1 to q tokens) over its physical blocks table[b] (host [bsz, W] int32, see host_block_table);
-        sequences len(starts) .. bsz - 1 are padding. -> the rows [T] int64 (host) of the
-        sequences' tokens, in order: row b·q + i holds token i of sequence b."""
-        bsz, q, n = table.shape[0], self.q, len(starts)
-        counts = torch.zeros(bsz, dtype=torch.long)
-        counts[:n] = torch.tensor([len(ids) for ids in token_ids])
-        start = torch.zeros(bsz, dtype=torch.long)
-        start[:n] = torch.tensor(starts, dtype=torch.long)
-        assert int(counts.max()) <= q, f"a sequence computes more than q = {q} positions"
-        real = torch.arange(q)[None] < counts[:, None]  # [bsz, q]
-        pos = start[:, None] + torch.arange(q)[None] * real  # padding rows sit at their sequence's start
-        rows = real.flatten().nonzero().squeeze(1)
-        ids = torch.zeros(bsz * q, dtype=torch.long)
-        ids[rows] = torch.tensor([t for seq_ids in token_ids for t in seq_ids], dtype=torch.long)
+        sequences len(starts) .. bsz - 1 are padding. -> the rows of the sequences' tokens, in
+        order: row b·q + i holds token i of sequence b."""
+        bsz, q = table.shape[0], self.q
         m = bsz * q
-        copy_from_host_(self.input_ids[:m], ids)
-        copy_from_host_(self.positions[:m], pos.flatten())
-        copy_from_host_(self.slots[:m], torch.where(real, slots_of(table, pos), -1).flatten())
-        copy_from_host_(self.key_len[:m], torch.where(real, pos + 1, 0).flatten().int())
+        ids, pos, slots, key_len = [0] * m, [0] * m, [-1] * m, [0] * m
+        rows: list[int] = []
+        for b, (start, toks, blocks) in enumerate(zip(starts, token_ids, table.tolist())):
+            n, first = len(toks), b * q
+            assert n <= q, f"a sequence computes more than q = {q} positions"
+            ids[first : first + n] = toks
+            pos[first : first + n] = range(start, start + n)
+            pos[first + n : first + q] = [start] * (q - n)  # padding rows sit at their sequence's start
+            slots[first : first + n] = _slots(blocks, start, n)
+            key_len[first : first + n] = range(start + 1, start + n + 1)
+            rows.extend(range(first, first + n))
+        copy_from_host_(self._rows64[:, :m], torch.from_numpy(np.array((ids, pos, slots), dtype=np.int64)))
+        copy_from_host_(self.key_len[:m], torch.from_numpy(np.array(key_len, dtype=np.int32)))
         # columns past the longest table keep older entries: no row reads past its key_len
         copy_from_host_(self.block_table[:bsz, : table.shape[1]], table)
         return rows
@@ -359,26 +372,45 @@ class StaticBatch:
         """The ragged form of fill(): sequence b's tokens take the next len(token_ids[b]) rows, the
         rows after the last sequence's up to `rows` (the row bucket) are padding; sample_rows[j]
         is the last row of sequence samples[j] (the chunks whose last token samples)."""
-        counts = torch.tensor([len(ids) for ids in token_ids])
-        n = int(counts.sum())
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        seq: list[int] = []
+        key_len: list[int] = []
+        last = []  # each sequence's last row
+        for b, (start, toks, blocks) in enumerate(zip(starts, token_ids, table.tolist())):
+            n = len(toks)
+            ids.extend(toks)
+            pos.extend(range(start, start + n))
+            slots.extend(_slots(blocks, start, n))
+            seq.extend([b] * n)
+            key_len.extend(range(start + 1, start + n + 1))
+            last.append(len(ids) - 1)
+        n = len(ids)
         assert self.ragged and n <= rows <= self.input_ids.shape[0], f"{n} tokens in a batch of {rows} rows"
-        seq = torch.zeros(rows, dtype=torch.long)
-        seq[:n] = torch.repeat_interleave(torch.arange(len(token_ids)), counts)
-        first = counts.cumsum(0) - counts  # each sequence's first row
-        pos = torch.zeros(rows, dtype=torch.long)
-        pos[:n] = torch.tensor(starts, dtype=torch.long)[seq[:n]] + torch.arange(n) - first[seq[:n]]
-        real = torch.arange(rows) < n
-        ids = torch.zeros(rows, dtype=torch.long)
-        ids[:n] = torch.tensor([t for seq_ids in token_ids for t in seq_ids], dtype=torch.long)
-        copy_from_host_(self.input_ids[:rows], ids)
-        copy_from_host_(self.positions[:rows], pos)
-        copy_from_host_(self.seq_idx[:rows], seq.int())
-        copy_from_host_(self.slots[:rows], torch.where(real, slots_of(table[seq], pos[:, None])[:, 0], -1))
-        copy_from_host_(self.key_len[:rows], torch.where(real, pos + 1, 0).int())
+        pad = rows - n
+        longs = np.array((ids + [0] * pad, pos + [0] * pad, slots + [-1] * pad), dtype=np.int64)
+        copy_from_host_(self._rows64[:, :rows], torch.from_numpy(longs))
+        copy_from_host_(self._rows32[:, :rows], torch.from_numpy(np.array((seq + [0] * pad, key_len + [0] * pad),
+                                                                          dtype=np.int32)))
         copy_from_host_(self.block_table[: table.shape[0], : table.shape[1]], table)
-        sample_rows = torch.zeros(self.sample_rows.shape[0], dtype=torch.long)
-        sample_rows[: len(samples)] = (first + counts - 1)[list(samples)]
-        copy_from_host_(self.sample_rows, sample_rows)
+        sample_rows = [last[j] for j in samples]
+        sample_rows += [0] * (self.sample_rows.shape[0] - len(sample_rows))
+        copy_from_host_(self.sample_rows, torch.from_numpy(np.array(sample_rows, dtype=np.int64)))
+
+
+def _slots(blocks: list[int], start: int, n: int) -> list[int]:
+    """The cache slots of positions start .. start + n - 1 of a sequence whose physical blocks are
+    `blocks`: one range a block."""
+    out: list[int] = []
+    position, end = start, start + n
+    while position < end:
+        block, offset = divmod(position, BLOCK_SIZE)
+        take = min(BLOCK_SIZE - offset, end - position)
+        base = blocks[block] * BLOCK_SIZE + offset
+        out.extend(range(base, base + take))
+        position += take
+    return out
 
 
 class StepGraphs:
@@ -393,17 +425,18 @@ class StepGraphs:
 
     MIN_KEYS = 4096  # the smallest key-count bucket
     BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-    MIN_ROWS, MAX_ROWS = 32, 2048  # the row buckets of "mixed" steps: 32, 64, ... 2048 tokens
+    MIN_ROWS, MAX_ROWS = 32, 8192  # the row buckets of "mixed" steps: 32, 64, ... tokens, up to the step budget
     MIXED_LOGITS_BYTES = 256 << 20  # a mixed graph's indexer logits, rows x key bucket fp32, at most
 
     def __init__(self, runner: ModelRunner, capture: Capture, max_num_seqs: int, max_model_len: int,
-                 min_keys: int = MIN_KEYS):
+                 min_keys: int = MIN_KEYS, max_rows: int = MAX_ROWS):
         self.runner = runner
         self.capture = capture
         self.max_num_seqs = max_num_seqs
         self.batch_buckets = [b for b in self.BATCH_BUCKETS if b < max_num_seqs] + [max_num_seqs]
         self.key_buckets = _buckets(max_model_len, min(min_keys, max_model_len))
-        self.row_buckets = _buckets(self.MAX_ROWS, self.MIN_ROWS)
+        # max_rows: the step token budget, the most rows a step has
+        self.row_buckets = _buckets(max(self.MIN_ROWS, min(max_rows, self.MAX_ROWS)), self.MIN_ROWS)
         self.max_blocks = -(-max_model_len // BLOCK_SIZE)
         self.graphs: dict[tuple, Graph] = {}
         self._batches: dict[str, StaticBatch] = {}

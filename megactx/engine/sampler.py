@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -64,7 +65,7 @@ class SamplingTensors:
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], device: torch.device | str, vocab_size: int,
                     eos_token_ids: Sequence[int] = ()) -> SamplingTensors:
-        """Build the tensors for one batch of requests (one H2D copy per field, no sync).
+        """Build the tensors for one batch of requests (three host-to-device copies, no sync).
 
         eos_token_ids: the model's EOS ids; with `min_tokens`, they and `stop_token_ids` are
         masked until a row has generated that many tokens."""
@@ -73,23 +74,21 @@ class SamplingTensors:
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
 
-        def tensor(values, dtype):
-            return to_device(values, device, dtype)
-
         top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
         stops = [list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids)) for p in params]
         width = max(len(s) for s in stops)
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        # the fields are rows of three tensors, each one copy (a batch changes most steps of a server)
+        floats = to_device(np.array([[p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
+                                      p.frequency_penalty] for p in params], dtype=np.float32).T, device)
+        ints = to_device(np.array([top_k, [p.min_tokens for p in params]], dtype=np.int64), device)
+        temperature, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty = floats
         return cls(
-            temperature=tensor([p.temperature for p in params], torch.float32),
-            top_k=tensor(top_k, torch.int64),
-            top_p=tensor([p.top_p for p in params], torch.float32),
-            min_p=tensor([p.min_p for p in params], torch.float32),
-            repetition_penalty=tensor([p.repetition_penalty for p in params], torch.float32),
-            presence_penalty=tensor([p.presence_penalty for p in params], torch.float32),
-            frequency_penalty=tensor([p.frequency_penalty for p in params], torch.float32),
-            min_tokens=tensor([p.min_tokens for p in params], torch.int64),
-            stop_token_ids=tensor([s + [PAD_ID] * (width - len(s)) for s in stops], torch.int64),
+            temperature=temperature, top_k=ints[0], top_p=top_p, min_p=min_p,
+            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, min_tokens=ints[1],
+            stop_token_ids=to_device(np.array([s + [PAD_ID] * (width - len(s)) for s in stops], dtype=np.int64)
+                                     .reshape(len(params), width), device),
             all_greedy=all(p.greedy for p in params),
             any_greedy=any(p.greedy for p in params),
             any_top_k=any(k < vocab_size for k in top_k),

@@ -194,36 +194,46 @@ class Scheduler:
         preempted: list[Sequence] = []
         draft_lengths = draft_lengths or {}
         bm = self.block_manager
-        for seq in self.running:  # last step's lookahead and rejected-draft slots go back to the pool
-            if seq.num_blocks > bm.blocks_for(seq.num_tokens):
-                bm.truncate(seq, seq.num_tokens)
+        if self.config.num_speculative_tokens:  # last step's lookahead and rejected-draft slots go back
+            for seq in self.running:
+                if seq.num_blocks > bm.blocks_for(seq.num_tokens):
+                    bm.truncate(seq, seq.num_tokens)
 
-        for decode in (True, False):
-            for seq in list(self.running):
-                if budget == 0:
-                    break
-                if seq.status is not SequenceStatus.RUNNING or seq.is_prefill == decode:
-                    continue  # preempted earlier in this loop, or belongs to the other pass
-                if decode and self._ended(seq):
-                    continue  # its last token (not on the host yet) ends it: the engine finishes it
-                n = seq.num_uncomputed_tokens
-                if self.config.chunked_prefill:
-                    n = min(n, budget)
-                elif n > budget:
-                    continue  # an unchunked prompt waits for a step with room for all of it
-                num_drafts = 0
-                if decode:
-                    if drafts := draft_lengths.get(seq.seq_id, 0):
-                        num_drafts = min(drafts, self.max_draft_tokens(seq), budget - n)
-                    if not self._reserve(seq, self._slots(seq, n + num_drafts), preempted):
-                        continue  # it had to preempt itself
-                else:
-                    # a prefill needs no new block: allocate() gave slots for all known tokens, so it
-                    # never preempts a decode already scheduled in this step
-                    assert seq.num_blocks * bm.block_size >= seq.num_tokens
-                    self._take_lookahead_if_free(seq, n)
-                scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n, num_drafts))
-                budget -= n + num_drafts
+        # This loop runs for every sequence every step: it reads token counts directly, not
+        # through Sequence's properties (a decode step's host time is mostly such loops).
+        prefills = []
+        for seq in list(self.running):  # decodes, oldest first; prefills are set aside
+            if budget == 0:
+                break
+            num_tokens = len(seq.token_ids)
+            if num_tokens - seq.num_computed_tokens > 1:
+                prefills.append(seq)
+                continue
+            if seq.status is not SequenceStatus.RUNNING or self._ended(seq):
+                continue  # preempted earlier in this loop; or its last token (not on the host yet) ends it
+            num_drafts = 0
+            if drafts := draft_lengths.get(seq.seq_id, 0):
+                num_drafts = min(drafts, self.max_draft_tokens(seq), budget - 1)
+            if not self._reserve(seq, self._slots(seq, 1 + num_drafts), preempted):
+                continue  # it had to preempt itself
+            scheduled.append(ScheduledSeq(seq, num_tokens - 1, 1, num_drafts))
+            budget -= 1 + num_drafts
+        for seq in prefills:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # a decode preempted it
+            n = seq.num_uncomputed_tokens
+            if self.config.chunked_prefill:
+                n = min(n, budget)
+            elif n > budget:
+                continue  # an unchunked prompt waits for a step with room for all of it
+            # a prefill needs no new block: allocate() gave slots for all known tokens, so it
+            # never preempts a decode already scheduled in this step
+            assert seq.num_blocks * bm.block_size >= seq.num_tokens
+            self._take_lookahead_if_free(seq, n)
+            scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
+            budget -= n
 
         while not preempted and self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
             seq = self.waiting[0]
@@ -301,7 +311,11 @@ class Scheduler:
             if seq.seq_id not in sampled:
                 raise ValueError(f"sequence {seq.seq_id} completed its chunk but `sampled` has no token for it")
             tokens = sampled[seq.seq_id]
-            tokens = [tokens] if isinstance(tokens, int) else list(tokens)
+            if isinstance(tokens, int):  # a plain decode step's one token (the common case: fast)
+                seq.token_ids.append(tokens)
+                self.block_manager.mark_computed(seq, item.num_tokens)
+                continue
+            tokens = list(tokens)
             if not 1 <= len(tokens) <= 1 + item.num_draft_tokens:
                 raise ValueError(f"sequence {seq.seq_id} verified {item.num_draft_tokens} draft tokens, so it emits "
                                  f"1 to {1 + item.num_draft_tokens} tokens; got {len(tokens)}")

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 _REPLACEMENT = "\ufffd"
 
@@ -67,7 +68,12 @@ class Tokenizer:
 
 class IncrementalDetokenizer:
     """Text deltas of a growing output, decoded with a little context so merges at token edges
-    (e.g. a leading space, a multi-byte character) come out right."""
+    (e.g. a leading space, a multi-byte character) come out right.
+
+    Each token goes through `tokenizers`' DecodeStream (one call into Rust a token: a decode step
+    is on the engine's host path, once per sequence a step). Where the stream refuses a token (it
+    raises when the decoded text does not extend what it has emitted, which some decoders'
+    normalisations do), this detokenizer decodes the same window itself from then on."""
 
     CONTEXT = 6  # prompt tokens decoded before the first new ones
 
@@ -76,17 +82,36 @@ class IncrementalDetokenizer:
         self.ids = list(prompt_ids[-self.CONTEXT:])
         self.prefix_offset = 0  # ids[prefix_offset:read_offset] were decoded before
         self.read_offset = len(self.ids)
+        self._stream: DecodeStream | None = DecodeStream(self.ids, skip_special_tokens=True)
 
     def add(self, token_ids: list[int]) -> str:
         """Append generated ids; return the new text (possibly empty while a character is incomplete)."""
-        self.ids.extend(token_ids)
+        pieces = []
+        for token in token_ids:
+            self.ids.append(token)
+            if self._stream is None:
+                continue
+            try:
+                piece = self._stream.step(self.tokenizer._tok, token)
+            except Exception:  # DecodeStream's InvalidPrefix: the window decode, from here on
+                self._stream = None
+                continue
+            if piece is not None:
+                pieces.append(piece)
+                self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        if self._stream is None:
+            pieces.append(self._window())
+        return "".join(pieces)
+
+    def _window(self) -> str:
+        """The text of the ids after read_offset, decoded after the ones before it ("" while a
+        character is incomplete)."""
         before = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
         after = self.tokenizer.decode(self.ids[self.prefix_offset :])
         if after.endswith(_REPLACEMENT) or len(after) < len(before):
             return ""  # wait for the rest of the character
-        delta = after[len(before) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return delta
+        return after[len(before) :]
 
     def flush(self) -> str:
         """The text still held back (an incomplete character at the end comes out as U+FFFD)."""

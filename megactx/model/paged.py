@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from megactx.config import ModelConfig
@@ -56,13 +57,16 @@ def kernel_ops(backend: str) -> KernelOps:
     raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
 
 
-def to_device(t: torch.Tensor | Sequence, device: str | torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A host tensor (or values for torch.tensor(t, dtype=dtype)) on `device` without stalling the
+def to_device(t: torch.Tensor | np.ndarray | Sequence, device: str | torch.device,
+              dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A host tensor or array (or values for torch.tensor(t, dtype=dtype)) on `device` without stalling the
     GPU. A copy from pageable host memory first synchronises the CUDA stream (CUDA's rule), so in a
     decode step the host would wait for every queued kernel and the GPU then wait for the host.
     Staged in pinned memory the copy is asynchronous; PyTorch's caching host allocator keeps the
     pinned block until the copy that reads it has run, so the staging tensor may be dropped at once."""
-    if not isinstance(t, torch.Tensor):
+    if isinstance(t, np.ndarray):
+        t = torch.from_numpy(np.ascontiguousarray(t))
+    elif not isinstance(t, torch.Tensor):
         t = torch.tensor(t, dtype=dtype)
     if torch.device(device).type != "cuda" or t.device.type != "cpu":
         return t.to(device)
