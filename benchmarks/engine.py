@@ -6,7 +6,9 @@ Offline: for each batch size B, B prompts of P random token ids each generate ex
 (greedy, ignore_eos) with `LLM.generate`: one untimed warm-up run of the same shape (on a CPU, 2
 tokens long), then 3 timed runs (--reps), each on prompts of its own. Figures: the median run's
 wall time and output tokens/s (B·M / wall); TTFT (arrival to first token, per request) and ITL (gap
-between a request's successive tokens) at p50 / p99 over all timed runs.
+between a request's successive tokens) at p50 / p99 over all timed runs. Both engines are loaded
+side by side and their timed runs alternate (megactx, transformers, megactx, ...): the speed of a
+lent GPU machine's host, which bounds both at these sizes, was seen to change twofold within minutes.
 
 Peer: transformers' own model class loads the same checkpoint directory (AutoModelForCausalLM,
 bf16 on a GPU, fp32 on a CPU) and runs `generate` on the same prompts as one batch (equal lengths:
@@ -63,7 +65,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -247,16 +249,16 @@ def _timed_figures(engine: str, batch: int, s: Settings, walls: list[float], tok
                       detail | {"walls_s": walls})
 
 
-def run_megactx(llm, s: Settings, batch: int) -> tuple[RunFigures, list[list[int]]]:
-    """One warm-up and `s.reps` timed `llm.generate` calls of `batch` prompts; the figures and the
-    tokens of the first timed run."""
+def megactx_runs(llm, s: Settings, batch: int, tokens: list[list[int]]) -> Generator[None, None, RunFigures]:
+    """One warm-up and `s.reps` timed `llm.generate` calls of `batch` prompts, yielding after each
+    timed run (see `interleaved`); returns the figures. `tokens` gets the first timed run's tokens."""
     from megactx import SamplingParams
 
     vocab = llm.cfg.vocab_size
     warm = SamplingParams(temperature=0.0, max_tokens=s.warmup_len, ignore_eos=True)
     llm.generate(random_prompts(batch, s.prompt_len, vocab, _prompt_seed(s, batch, 0)), warm, use_tqdm=False)
     params = SamplingParams(temperature=0.0, max_tokens=s.output_len, ignore_eos=True)
-    walls, ttft, latency, tokens, first = [], [], [], 0, None
+    walls, ttft, latency, generated = [], [], [], 0
     itl_from, steps_from = len(llm.stats.inter_token_latency), llm.stats.steps
     with logged_steps(llm) as step_figures:
         for run in range(1, s.reps + 1):
@@ -264,14 +266,38 @@ def run_megactx(llm, s: Settings, batch: int) -> tuple[RunFigures, list[list[int
             start = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             walls.append(time.perf_counter() - start)
-            first = first or [o.token_ids for o in outs]
-            tokens += sum(len(o.token_ids) for o in outs)
+            if run == 1:
+                tokens[:] = [o.token_ids for o in outs]
+            generated += sum(len(o.token_ids) for o in outs)
             ttft += [o.first_token_time - o.arrival_time for o in outs]
             latency += [o.finish_time - o.arrival_time for o in outs]
+            yield
     itl = llm.stats.inter_token_latency[itl_from:]
     steps = (llm.stats.steps - steps_from) // s.reps
-    return _timed_figures(MEGACTX, batch, s, walls, tokens, ttft, itl, latency,
-                          {"steps": steps, "engine_steps": step_figures()}), first
+    return _timed_figures(MEGACTX, batch, s, walls, generated, ttft, itl, latency,
+                          {"steps": steps, "engine_steps": step_figures()})
+
+
+def run_megactx(llm, s: Settings, batch: int) -> tuple[RunFigures, list[list[int]]]:
+    """megactx_runs without a peer: the figures and the tokens of the first timed run."""
+    tokens: list[list[int]] = []
+    return interleaved([megactx_runs(llm, s, batch, tokens)])[0], tokens
+
+
+def interleaved(runs: list[Generator[None, None, RunFigures]]) -> list[RunFigures]:
+    """Advance the runs in turn, one timed run of each at a time, until all are done; their figures.
+    Two engines timed alternately see the same drifts of the machine (a lent GPU host's speed was
+    seen to change twofold within minutes), so their ratio holds where back-to-back parts would not."""
+    figures: list[RunFigures | None] = [None] * len(runs)
+    active = list(enumerate(runs))
+    while active:
+        for item in list(active):
+            try:
+                next(item[1])
+            except StopIteration as done:
+                figures[item[0]] = done.value
+                active.remove(item)
+    return figures
 
 
 def offline_engine(path: Path, s: Settings):
@@ -309,11 +335,11 @@ def load_transformers(path: Path, s: Settings):
     return model.to(s.device).eval()
 
 
-@torch.inference_mode()
-def run_transformers(model, s: Settings, batch: int, vocab_size: int,
-                     reference: list[list[int]] | None = None) -> RunFigures:
-    """One warm-up and one timed greedy `generate` of `batch` prompts (the same prompts as
-    `run_megactx` for this batch); `reference`: megactx's tokens, to count the requests that agree."""
+def transformers_runs(model, s: Settings, batch: int, vocab_size: int,
+                      reference: list[list[int]] | None = None) -> Generator[None, None, RunFigures]:
+    """One warm-up and `s.reps` timed greedy `generate` calls of `batch` prompts (the same prompts
+    as `megactx_runs` for this batch), yielding after each timed run; `reference`: megactx's
+    tokens (read after the first timed run), to count the requests that agree."""
     from transformers.generation.streamers import BaseStreamer
 
     class Stamps(_StepStamps, BaseStreamer):
@@ -324,6 +350,7 @@ def run_transformers(model, s: Settings, batch: int, vocab_size: int,
         eos = model.config.eos_token_id
         pad = eos[0] if isinstance(eos, list) else eos
 
+    @torch.inference_mode()
     def generate(prompts: list[list[int]], new_tokens: int, streamer=None) -> torch.Tensor:
         ids = torch.tensor(prompts, device=s.device)
         return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
@@ -348,9 +375,10 @@ def run_transformers(model, s: Settings, batch: int, vocab_size: int,
         itl += [b - a for a, b in zip(steps, steps[1:])] * batch
         if run == 1:
             detail["steps"] = len(steps)
-            if reference is not None:
+            if reference:
                 detail["same_tokens_as_megactx"] = sum(a == b for a, b in zip(new, reference))
                 detail["same_first_token_as_megactx"] = sum(a[:1] == b[:1] for a, b in zip(new, reference))
+        yield
     # a request's latency is its batch's wall time
     latency = [w for w in walls for _ in range(batch)]
     return _timed_figures(TRANSFORMERS, batch, s, walls, tokens, ttft, itl, latency, detail)
@@ -614,7 +642,7 @@ def run_online(path: Path, s: Settings, vocab_size: int, log: Callable[[str], ob
 
 # ------------------------------------------------------------------------------ the run
 class EngineBench:
-    """The three parts in order (megactx offline, transformers, online); each part frees the device
+    """The parts in order (ceilings, offline: megactx and transformers side by side, online); each part frees the device
     before the next, and `after_part` gets the results so far (to write them as they come)."""
 
     def __init__(self, path: Path, random_weights: bool, s: Settings, progress: Progress | None = None):
@@ -629,7 +657,6 @@ class EngineBench:
                       "layers": self.cfg.num_hidden_layers, "hidden_size": self.cfg.hidden_size,
                       "vocab_size": self.cfg.vocab_size},
             "offline": [], "online": None, "skipped": []}
-        self._tokens: dict[int, list[list[int]]] = {}  # batch -> megactx's tokens
 
     def run(self, after_part: Callable[[dict[str, Any]], object] | None = None) -> dict[str, Any]:
         start, threads = time.perf_counter(), torch.get_num_threads()
@@ -642,8 +669,7 @@ class EngineBench:
         return self.results
 
     def _run_parts(self, start: float, after_part: Callable[[dict[str, Any]], object] | None) -> None:
-        parts = [("ceilings", self.ceilings), ("megactx offline", self.megactx)]
-        parts += [("transformers offline", self.transformers)] if self.s.peer else []
+        parts = [("ceilings", self.ceilings), ("offline", self.offline)]
         parts += [("online", self.online_thread)] if self.s.online else []
         parts += [(ONLINE_PROCESS, self.online_process)] if self.s.online and self.s.online_engine_process else []
         for name, part in parts:
@@ -670,13 +696,22 @@ class EngineBench:
                           f"tokens/s, wall {fmt_time(figures.wall_s)}, TTFT p50 {_p(figures.ttft_s, 'p50')}, "
                           f"ITL p50 {_p(figures.itl_s, 'p50')}")
 
-    def megactx(self) -> None:
+    def offline(self) -> None:
+        """megactx and (with a peer) transformers, loaded side by side: at each batch size their
+        timed runs alternate (see `interleaved`); then the closed loop on megactx's engine."""
+        model = self.load_peer() if self.s.peer else None  # first: the engine's KV plan then leaves it room
         self.progress.log(f"megactx: loading {self.path} on {self.s.device}")
         llm = offline_engine(self.path, self.s)
         self.results["model"]["params"] = sum(p.numel() for p in llm.model.parameters())
         for batch in self.s.batches:
-            figures, self._tokens[batch] = run_megactx(llm, self.s, batch)
-            self._add(figures)
+            tokens: list[list[int]] = []
+            runs = [megactx_runs(llm, self.s, batch, tokens)]
+            if model is not None:
+                runs.append(transformers_runs(model, self.s, batch, self.cfg.vocab_size, tokens))
+            for figures in interleaved(runs):
+                self._add(figures)
+        del model
+        _free(self.s.device)
         if self.s.online:
             figures = run_closed_loop(llm, self.s)
             self.results[CLOSED_LOOP] = figures.to_dict()
@@ -684,14 +719,19 @@ class EngineBench:
                               f"{fmt_num(figures.tokens_per_s)} tokens/s, latency p50 {_p(figures.latency_s, 'p50')}, "
                               f"TTFT p50 {_p(figures.ttft_s, 'p50')}")
 
-    def transformers(self) -> None:
+    def load_peer(self):
+        """transformers' model of the checkpoint, or None (reported as skipped) when it cannot load."""
         self.progress.log(f"transformers: loading {self.path} on {self.s.device}")
-        import transformers
+        try:
+            import transformers
 
-        self.results["model"]["transformers"] = transformers.__version__
-        model = load_transformers(self.path, self.s)
-        for batch in self.s.batches:
-            self._add(run_transformers(model, self.s, batch, self.cfg.vocab_size, self._tokens.get(batch)))
+            self.results["model"]["transformers"] = transformers.__version__
+            return load_transformers(self.path, self.s)
+        except Exception as e:  # megactx's figures still come
+            reason = f"{type(e).__name__}: {e}"
+            self.progress.log(f"transformers offline: not run: {reason}")
+            self.results["skipped"].append({"step": "transformers offline", "reason": reason})
+            return None
 
     def online(self, key: str = "online", extra_args: Sequence[str] = ()) -> None:
         what = " ".join(["megactx serve", *extra_args])
@@ -751,7 +791,7 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                             ratio >= TARGET_SPEEDUP if on_gpu else None, "" if on_gpu else "a GPU target; CPU run"))
     else:
         why = (f"batch {b} not in this run" if b not in results["settings"]["batches"]
-               else _skip_reason(results, "transformers offline") or _skip_reason(results, "megactx offline")
+               else _skip_reason(results, "transformers offline") or _skip_reason(results, "offline")
                or "not run")
         rows.append(_target(t, "–", f">= {TARGET_SPEEDUP:.0f}x", None, why))
 
@@ -873,7 +913,8 @@ def steps_markdown(results: dict[str, Any]) -> str:
         ms = {key: "–" if st.get(key) is None else fmt_time(st[key] / 1e3)
               for key in ("decode_p50_ms", "decode_p99_ms", "decode_host_p50_ms", "prefill_p50_ms", "prefill_p99_ms",
                           "prefill_host_p50_ms", "max_ms")}
-        rows.append([label, st["steps"], f"{st['busy_s']:.2f} s", st["decode_steps"], ms["decode_p50_ms"],
+        seqs = "–" if st.get("mean_seqs") is None else f"{st['mean_seqs']:.1f}"
+        rows.append([label, st["steps"], f"{st['busy_s']:.2f} s", seqs, st["decode_steps"], ms["decode_p50_ms"],
                      ms["decode_p99_ms"], ms["decode_host_p50_ms"], st["prefill_steps"], ms["prefill_p50_ms"],
                      ms["prefill_p99_ms"], ms["prefill_host_p50_ms"], ms["max_ms"],
                      f"{st['capture_steps']} ({st['capture_s']:.2f} s)"])
@@ -882,9 +923,10 @@ def steps_markdown(results: dict[str, Any]) -> str:
     return ("\n## Engine steps\n\nEvery step of the timed part of each run (`--step-log`; with overlapped steps "
             "a step's time is its host work plus its wait for the step before). Host p50: a step's time less its "
             "wait for the device's tokens (near the step's time: bound by the host; well below: by the device). "
-            "Captures: steps that captured a CUDA graph, and their time.\n\n"
-            + md_table(["run", "steps", "in steps", "decode-only steps", "p50", "p99", "host p50", "steps with prefill",
-                        "p50", "p99", "host p50", "longest", "captures"], rows))
+            "Sequences a step: the mean batch (below the clients where requests are in transit between a "
+            "client and the engine). Captures: steps that captured a CUDA graph, and their time.\n\n"
+            + md_table(["run", "steps", "in steps", "sequences a step", "decode-only steps", "p50", "p99", "host p50",
+                        "steps with prefill", "p50", "p99", "host p50", "longest", "captures"], rows))
 
 
 # ------------------------------------------------------------------------------ PNG

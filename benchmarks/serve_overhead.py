@@ -183,6 +183,7 @@ class MockLLM:
 
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
         self.device_s, self.host_s, self.op_s = device_s, host_s, op_s
         self.scheduler = _MockScheduler(self, max_num_seqs, max_model_len)
         self.block_manager = BlockManager(num_blocks=max_num_seqs)  # the gauges only: no KV lives here

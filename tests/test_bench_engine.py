@@ -25,6 +25,7 @@ from benchmarks.engine import (
     client_round,
     completion_bodies,
     evaluate_targets,
+    interleaved,
     online_figures,
     percentile,
     render_markdown,
@@ -85,6 +86,19 @@ def test_offline_run_of_both_engines_writes_the_reports(ckpt, tmp_path, capsys):
     assert "**CPU run**" in md and "| 3 | megactx |" in md and "| 3 | transformers |" in md
     assert "batch 64 not in this run" in md and "disabled (--no-online)" in md
     assert (tmp_path / "engine-cpu.png").stat().st_size > 0
+
+
+def test_interleaved_alternates_the_engines_timed_runs():
+    order = []
+
+    def runs(name: str, n: int):
+        for i in range(n):
+            order.append((name, i))
+            yield
+        return name
+
+    assert interleaved([runs("megactx", 3), runs("transformers", 2)]) == ["megactx", "transformers"]
+    assert order == [("megactx", 0), ("transformers", 0), ("megactx", 1), ("transformers", 1), ("megactx", 2)]
 
 
 @pytest.mark.parametrize("flags,named", [(["--batches", "0"], "--batches"), (["--output-len", "0"], "--output-len"),

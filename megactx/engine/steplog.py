@@ -67,14 +67,15 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def step_stats(steps: list[dict]) -> dict:
-    """Figures of one process's steps: count, busy seconds, decode-only and with-prefill step
+    """Figures of one process's steps: count, busy seconds, sequences a step (mean), decode-only and with-prefill step
     p50 / p99 (ms; None without such steps) and p50 of their host time (the step less its wait for
     the device; None where the log has no waits), the longest step, and the steps that captured graphs."""
     kinds = {"decode": [r for r in steps if not r["prefill"]], "prefill": [r for r in steps if r["prefill"]]}
     ms = {kind: [r["ms"] for r in rs] for kind, rs in kinds.items()}
     host = {kind: [r["ms"] - r["wait_ms"] for r in rs if "wait_ms" in r] for kind, rs in kinds.items()}
     captures = [r for prev, r in zip(steps, steps[1:]) if r["graphs"] > prev["graphs"]]
-    figures = {"steps": len(steps), "busy_s": sum(r["ms"] for r in steps) / 1e3}
+    figures = {"steps": len(steps), "busy_s": sum(r["ms"] for r in steps) / 1e3,
+               "mean_seqs": statistics.fmean(r["seqs"] for r in steps)}
     for kind in kinds:
         figures |= {f"{kind}_steps": len(ms[kind]),
                     f"{kind}_p50_ms": statistics.median(ms[kind]) if ms[kind] else None,
@@ -93,7 +94,8 @@ def summarize(lines: list[dict], slowest: int = 10) -> str:
         steps = [r for r in lines if r["pid"] == pid]
         st = step_stats(steps)
         span = steps[-1]["t"] + steps[-1]["ms"] / 1e3 - steps[0]["t"]
-        out.append(f"process {pid}: {st['steps']} steps over {span:.2f} s, {st['busy_s']:.2f} s in steps")
+        out.append(f"process {pid}: {st['steps']} steps over {span:.2f} s, {st['busy_s']:.2f} s in steps, "
+                   f"{st['mean_seqs']:.1f} sequences a step")
         for name, key in (("decode only", "decode"), ("with prefill", "prefill")):
             if st[f"{key}_steps"]:
                 host = st[f"{key}_host_p50_ms"]
