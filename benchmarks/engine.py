@@ -979,7 +979,9 @@ def plot(results: dict[str, Any], path: Path) -> bool:
     for ax in (ax1, ax2):
         ax.set_xticks(range(len(batches)), [str(b) for b in batches])
         ax.grid(True, which="both", axis="y", alpha=0.3)
-        ax.legend(fontsize=7)
+        low, high = ax.get_ylim()
+        ax.set_ylim(low, high * 30)  # log axes: room above the data for the legend
+        ax.legend(fontsize=7, loc="upper left")
     device = results["machine"].get("gpu") or results["machine"]["device"]
     s = results["settings"]
     fig.suptitle(f"megactx bench engine: {device}, {s['prompt_len']} prompt + {s['output_len']} output tokens "
