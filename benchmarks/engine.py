@@ -20,7 +20,9 @@ a subprocess; after /health answers, C client threads send R streaming /v1/compl
 all (token-id prompts of length P, max_tokens M, temperature 0, ignore_eos), after one untimed
 warm-up round of C requests. The server is started with the offline engine's --device,
 --max-model-len (P + M), --max-num-seqs and no speculative decoding. Figures: requests/s, output
-tokens/s, request latency and TTFT (first streamed chunk) at p50 / p99. Server overhead = 1 −
+tokens/s, request latency and TTFT (first streamed chunk) at p50 / p99, and the mean TTFT beside the
+server's own (its /metrics histogram, from the request handler). Each client keeps its connection
+(HTTP keep-alive, as the OpenAI SDK's clients do). Server overhead = 1 −
 online tokens/s ÷ offline tokens/s at batch C. Twice, side by side: with the engine in a thread of
 the server's process (`--no-engine-process`), and in a process of its own (serve's default;
 `--no-online-engine-process` skips that run). Beside them,
@@ -64,6 +66,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -479,6 +482,20 @@ class ServeProcess:
         steps = [r for r in steplog.read(self.step_log) if start <= r["t"] <= end]
         return steplog.step_stats(steps) if steps else None
 
+    def ttft_sum_count(self) -> tuple[float, float] | None:
+        """(sum, count) of the server's time-to-first-token histogram (/metrics; measured from its
+        request handler), None where it has none."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        status, body = self.get("/metrics")
+        if status != 200:
+            return None
+        for family in text_string_to_metric_families(body.decode()):
+            if family.name == "megactx_time_to_first_token_seconds":
+                values = {sample.name: sample.value for sample in family.samples}
+                return values.get(family.name + "_sum", 0.0), values.get(family.name + "_count", 0.0)
+        return None
+
     def stop(self) -> None:
         if self.proc is not None:
             stop_process(self.proc, SERVER_STOP_S)
@@ -508,11 +525,15 @@ class RequestResult:
     chunks: int
 
 
-def post_completion(host: str, port: int, body: dict[str, Any], timeout_s: float) -> RequestResult:
+def post_completion(host: str, port: int, body: dict[str, Any], timeout_s: float,
+                    conn: http.client.HTTPConnection | None = None) -> RequestResult:
     """POST a streaming /v1/completions request and read its server-sent events to `data: [DONE]`.
     RuntimeError on an HTTP error or an error event, with the server's words. (The standard
-    library's client: a benchmark should not need another dependency to talk to the server.)"""
-    conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+    library's client: a benchmark should not need another dependency to talk to the server.)
+    conn: a connection to keep using (HTTP keep-alive, as the OpenAI SDK's clients do; it reconnects
+    by itself where the server closed it); None: a connection of its own, closed at the end."""
+    own = conn is None
+    conn = conn or http.client.HTTPConnection(host, port, timeout=timeout_s)
     try:
         start = time.perf_counter()
         conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
@@ -536,19 +557,37 @@ def post_completion(host: str, port: int, body: dict[str, Any], timeout_s: float
                     first = time.perf_counter() - start
             if event.get("usage"):
                 tokens = event["usage"].get("completion_tokens")
-        return RequestResult(first, time.perf_counter() - start, tokens, chunks)
+        end = time.perf_counter()
+        resp.read()  # the body's end (the last chunk): the connection is then free for the next request
+        return RequestResult(first, end - start, tokens, chunks)
+    except BaseException:
+        conn.close()  # in an unknown state: not reused
+        raise
     finally:
-        conn.close()
+        if own:
+            conn.close()
 
 
 def client_round(host: str, port: int, bodies: Sequence[dict[str, Any]], concurrency: int,
                  timeout_s: float) -> tuple[list[RequestResult], float]:
     """Send every body with `concurrency` clients, each sending its next request when its last one
-    ends. Returns the results (in body order) and the wall time of the round."""
+    ends, on the connection it keeps. Returns the results (in body order) and the wall time of the round."""
+    local, conns = threading.local(), []
+
+    def send(body: dict[str, Any]) -> RequestResult:
+        if not hasattr(local, "conn"):
+            local.conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+            conns.append(local.conn)
+        return post_completion(host, port, body, timeout_s, local.conn)
+
     start = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        results = list(pool.map(lambda b: post_completion(host, port, b, timeout_s), bodies))
-    return results, time.perf_counter() - start
+    try:
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            results = list(pool.map(send, bodies))
+        return results, time.perf_counter() - start
+    finally:
+        for conn in conns:
+            conn.close()
 
 
 def completion_bodies(model: str, prompts: list[list[int]], max_tokens: int) -> list[dict[str, Any]]:
@@ -631,12 +670,19 @@ def run_online(path: Path, s: Settings, vocab_size: int, log: Callable[[str], ob
         client_round(server.host, server.port, completion_bodies(model, warm, s.warmup_len), s.concurrency,
                      s.request_timeout_s)
         prompts = random_prompts(s.requests, s.prompt_len, vocab_size, _prompt_seed(s, 0, 1))
+        ttft_before = server.ttft_sum_count()
         start = time.perf_counter()
         results, wall = client_round(server.host, server.port, completion_bodies(model, prompts, s.output_len),
                                      s.concurrency, s.request_timeout_s)
         steps = server.steps(start, start + wall)
+        ttft_after = server.ttft_sum_count()
     figures = online_figures(results, wall, s)
     figures.detail["engine_steps"] = steps
+    if ttft_before and ttft_after and ttft_after[1] > ttft_before[1]:
+        # the server's own TTFT (from its request handler): the rest of the clients' is before the handler
+        figures.detail["server_ttft_mean_s"] = (ttft_after[0] - ttft_before[0]) / (ttft_after[1] - ttft_before[1])
+    ttfts = [r.ttft_s for r in results if r.ttft_s is not None]
+    figures.detail["client_ttft_mean_s"] = statistics.fmean(ttfts) if ttfts else None
     return figures
 
 
@@ -868,17 +914,21 @@ def render_markdown(results: dict[str, Any], targets: list[dict[str, Any]]) -> s
         out.append("Overhead: 1 − tokens/s ÷ offline tokens/s at the batch of the clients. The first row runs the "
                    "same requests on the offline engine in-process (a client's next request added as its last ends, no "
                    "HTTP): its overhead is the engine's own, from requests arriving as others end; the rest is the "
-                   "server's.\n")
+                   "server's. TTFT mean, client / server: the clients' mean against the server's own (its "
+                   "/metrics histogram, from its request handler): the difference is spent before the handler "
+                   "(connection, parsing, the event loop's queue).\n")
         rows = []
         for label, f in runs:
             offline = _offline(results, MEGACTX, f.batch)
             overhead = f"{1 - f.tokens_per_s / offline.tokens_per_s:.1%}" if offline else "–"
+            split = [f.detail.get("client_ttft_mean_s"), f.detail.get("server_ttft_mean_s")]
+            split = " / ".join("–" if t is None else fmt_time(t) for t in split) if f.engine == SERVE else "–"
             rows.append([label, f.batch, f.requests, fmt_num(f.requests_per_s), fmt_num(f.tokens_per_s),
                          fmt_num(offline.tokens_per_s) if offline else "–", overhead, *_lat(f.latency_s),
-                         *_lat(f.ttft_s)])
+                         *_lat(f.ttft_s), split])
         out.append(md_table(
             ["server", "clients", "requests", "requests/s", "output tokens/s", "offline tokens/s at that batch",
-             "overhead", "latency p50", "latency p99", "TTFT p50", "TTFT p99"], rows))
+             "overhead", "latency p50", "latency p99", "TTFT p50", "TTFT p99", "TTFT mean, client / server"], rows))
         if any(f.detail.get("tokens_counted_from") == "max_tokens" for _, f in runs if f.engine == SERVE):
             out.append("\n(The server sent no usage chunk: every request is counted as max_tokens long.)\n")
         if all(f.engine == CLOSED for _, f in runs):

@@ -216,6 +216,8 @@ def test_online_run_through_megactx_serve(ckpt, extra_args):
     assert f.ttft_s["n"] == 4 and f.ttft_s["p99"] <= f.latency_s["p99"] <= f.wall_s
     steps = f.detail["engine_steps"]  # the server's step log, the timed round's steps only
     assert steps["steps"] >= 2 * 4 and steps["decode_steps"] >= 1 and steps["busy_s"] <= f.wall_s
+    # the server's own TTFT (its /metrics, the timed round's requests) is within the clients'
+    assert 0 < f.detail["server_ttft_mean_s"] <= f.detail["client_ttft_mean_s"] <= f.ttft_s["p99"]
 
 
 def test_the_closed_loop_keeps_the_clients_in_flight_and_gets_its_row(ckpt, tmp_path):
