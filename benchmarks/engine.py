@@ -281,12 +281,6 @@ def megactx_runs(llm, s: Settings, batch: int, tokens: list[list[int]]) -> Gener
                           {"steps": steps, "engine_steps": step_figures()})
 
 
-def run_megactx(llm, s: Settings, batch: int) -> tuple[RunFigures, list[list[int]]]:
-    """megactx_runs without a peer: the figures and the tokens of the first timed run."""
-    tokens: list[list[int]] = []
-    return interleaved([megactx_runs(llm, s, batch, tokens)])[0], tokens
-
-
 def interleaved(runs: list[Generator[None, None, RunFigures]]) -> list[RunFigures]:
     """Advance the runs in turn, one timed run of each at a time, until all are done; their figures.
     Two engines timed alternately see the same drifts of the machine (a lent GPU host's speed was

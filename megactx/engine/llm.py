@@ -248,11 +248,10 @@ class LLM:
         every row bucket of the mixed graphs up to the token budget; steps of the whole budget (eager
         where it exceeds the largest row bucket), once with every length a multiple of 16 and once odd
         (Triton compiles a kernel again for each class of its integer arguments: 1, multiples of 16,
-        others); and a decode step of every batch
-        bucket. Without it the first step of each new shape waits for a CUDA graph capture or a
-        Triton compile (tens of ms to seconds), which a server meets again and again as requests
-        arrive apart. Contexts past the token budget still capture their key buckets' graphs, and
-        compile the variants of their sizes, when first met."""
+        others); and a decode step of every batch bucket. Without it the first step of each new
+        shape waits for a CUDA graph capture or a Triton compile (tens of ms to seconds), which a
+        server meets again and again as requests arrive apart. Contexts past the token budget still
+        capture their key buckets' graphs, and compile the variants of their sizes, when first met."""
         if self.max_model_len < 2:
             return  # no request fits: one prompt token and one generated
         start = time.perf_counter()

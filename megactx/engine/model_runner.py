@@ -61,6 +61,7 @@ from megactx.model.paged import (
     copy_from_host_,
     host_block_table,
     kernel_ops,
+    slots_of_range,
     to_device,
 )
 from megactx.model.transformer import Transformer
@@ -91,8 +92,8 @@ def plan_num_blocks(model: Transformer, kv_dtype: torch.dtype, index_dtype: torc
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         weights = sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
-        held = torch.cuda.memory_allocated(device) - weights  # by this process, besides this model
         before = torch.cuda.memory_allocated(device)
+        held = before - weights  # by this process, besides this model
         _profile_forward(model, max_num_batched_tokens, kv_dtype, index_dtype, backend)
         peak = torch.cuda.max_memory_allocated(device)
         if cuda_graphs and backend == "triton":
@@ -358,7 +359,7 @@ class StaticBatch:
             ids[first : first + n] = toks
             pos[first : first + n] = range(start, start + n)
             pos[first + n : first + q] = [start] * (q - n)  # padding rows sit at their sequence's start
-            slots[first : first + n] = _slots(blocks, start, n)
+            slots[first : first + n] = slots_of_range(blocks, start, n)
             key_len[first : first + n] = range(start + 1, start + n + 1)
             rows.extend(range(first, first + n))
         copy_from_host_(self._rows64[:, :m], torch.from_numpy(np.array((ids, pos, slots), dtype=np.int64)))
@@ -382,7 +383,7 @@ class StaticBatch:
             n = len(toks)
             ids.extend(toks)
             pos.extend(range(start, start + n))
-            slots.extend(_slots(blocks, start, n))
+            slots.extend(slots_of_range(blocks, start, n))
             seq.extend([b] * n)
             key_len.extend(range(start + 1, start + n + 1))
             last.append(len(ids) - 1)
@@ -397,20 +398,6 @@ class StaticBatch:
         sample_rows = [last[j] for j in samples]
         sample_rows += [0] * (self.sample_rows.shape[0] - len(sample_rows))
         copy_from_host_(self.sample_rows, torch.from_numpy(np.array(sample_rows, dtype=np.int64)))
-
-
-def _slots(blocks: list[int], start: int, n: int) -> list[int]:
-    """The cache slots of positions start .. start + n - 1 of a sequence whose physical blocks are
-    `blocks`: one range a block."""
-    out: list[int] = []
-    position, end = start, start + n
-    while position < end:
-        block, offset = divmod(position, BLOCK_SIZE)
-        take = min(BLOCK_SIZE - offset, end - position)
-        base = blocks[block] * BLOCK_SIZE + offset
-        out.extend(range(base, base + take))
-        position += take
-    return out
 
 
 class StepGraphs:

@@ -117,6 +117,20 @@ def slots_of(table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return blocks * ref.BLOCK_SIZE + positions % ref.BLOCK_SIZE
 
 
+def slots_of_range(blocks: Sequence[int], start: int, n: int) -> list[int]:
+    """slots_of on the host for one sequence's consecutive positions start .. start + n - 1 over its
+    physical blocks, built one range a block (the engine fills its step inputs this way every step)."""
+    out: list[int] = []
+    position, end = start, start + n
+    while position < end:
+        block, offset = divmod(position, ref.BLOCK_SIZE)
+        take = min(ref.BLOCK_SIZE - offset, end - position)
+        base = blocks[block] * ref.BLOCK_SIZE + offset
+        out.extend(range(base, base + take))
+        position += take
+    return out
+
+
 @dataclass
 class PagedBatch:
     """Metadata of one forward over paged caches: T tokens of B sequences, flattened in one row.
