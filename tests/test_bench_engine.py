@@ -17,6 +17,7 @@ from benchmarks.engine import (
     CLOSED,
     CLOSED_LOOP,
     MEGACTX,
+    ONLINE_PROCESS,
     SERVE,
     TRANSFORMERS,
     RunFigures,
@@ -275,8 +276,8 @@ def _fake_results(device: str, ours_64: float, peer_64: float, online_64: float 
     return {"schema": "megactx-bench-engine/1", "machine": machine, "settings": settings,
             "model": {"path": "/models/tiny", "random_weights": True, "model_type": "glm_moe_dsa", "layers": 8,
                       "hidden_size": 256, "vocab_size": 4096, "params": 10_200_000, "transformers": "5.24.0"},
-            "offline": offline, "online": online_64 and _run(SERVE, 64, online_64, requests=256),
-            "skipped": [] if online_64 else [{"step": "online", "reason": "RuntimeError: the server fell over"}]}
+            "offline": offline, "online": None, ONLINE_PROCESS: online_64 and _run(SERVE, 64, online_64, requests=256),
+            "skipped": [] if online_64 else [{"step": ONLINE_PROCESS, "reason": "RuntimeError: the server fell over"}]}
 
 
 @pytest.mark.parametrize("ours,peer,online,speedup_ok,overhead_ok", [
@@ -289,18 +290,56 @@ def test_targets_compare_the_right_figures(ours, peer, online, speedup_ok, overh
     assert overhead["passed"] is overhead_ok and f"{1 - online / ours:.1%}" in overhead["figure"]
 
 
-def test_the_engine_process_run_gets_its_own_row_and_target():
-    results = _fake_results("cuda", 6000.0, 500.0, 4800.0)
-    results["online_engine_process"] = _run(SERVE, 64, 5820.0, requests=256)
-    speedup, thread, process = evaluate_targets(results)
-    assert thread["passed"] is False and "20.0%" in thread["figure"] and "--no-engine-process" in thread["target"]
+def test_the_target_is_the_default_servers_and_the_engine_thread_run_is_shown_beside_it():
+    results = _fake_results("cuda", 6000.0, 500.0, 5820.0)
+    results["online"] = _run(SERVE, 64, 4800.0, requests=256)  # --no-engine-process: 20% overhead
+    speedup, process = evaluate_targets(results)
     assert process["passed"] is True and "3.0%" in process["figure"] and "engine process (default)" in process["target"]
-    md = render_markdown(results, [speedup, thread, process])
-    assert "| engine thread (--no-engine-process) | 64 | 256 |" in md
+    md = render_markdown(results, [speedup, process])
+    assert "| engine thread (--no-engine-process) | 64 | 256 |" in md and "| 20.0% |" in md
     assert "| engine process (default) | 64 | 256 |" in md
-    results.pop("online_engine_process")
-    results["skipped"].append({"step": "online_engine_process", "reason": "EngineFailed: out of memory"})
-    assert "out of memory" in evaluate_targets(results)[2]["note"]  # asked for and failed: said so
+    results.pop(ONLINE_PROCESS)
+    results["skipped"].append({"step": ONLINE_PROCESS, "reason": "EngineFailed: out of memory"})
+    assert "out of memory" in evaluate_targets(results)[1]["note"]  # asked for and failed: said so
+    results["settings"]["online_engine_process"] = False
+    results["skipped"].pop()
+    assert "--no-online-engine-process" in evaluate_targets(results)[1]["note"]
+
+
+def test_the_overhead_is_taken_against_the_offline_runs_around_the_online_run():
+    """An online run with offline runs just before and after it compares with their mean, not
+    with the offline table's figure from another part of the run (the host's speed drifts)."""
+    results = _fake_results("cuda", 6000.0, 500.0, 5700.0)  # 5% against the offline table's 6000
+    results[ONLINE_PROCESS]["detail"] |= {"offline_tokens_per_s_around": [6200.0, 6400.0, 6600.0],
+                                          "offline_tokens_per_s": 6400.0}
+    _, overhead = evaluate_targets(results)
+    assert overhead["passed"] is False and f"{1 - 5700 / 6400:.1%}" in overhead["figure"]
+    md = render_markdown(results, [overhead])
+    assert "| 6,400 (6,200 – 6,600) | 10.9% |" in md
+
+
+def test_the_offline_engine_runs_between_the_rounds_and_gives_the_reference(ckpt):
+    from benchmarks.engine import EngineBench, offline_engine, split_rounds
+
+    assert split_rounds(list(range(7)), 3) == [[0, 1, 2], [3, 4], [5, 6]]
+    s = Settings("cpu", [2], prompt_len=8, output_len=4, warmup_len=2, concurrency=2, requests=5, rounds=2,
+                 threads=1, reps=1)
+    bench = EngineBench(ckpt, True, s)
+    assert bench.referenced(lambda between: RunFigures.from_dict(_run(SERVE, 2, 50.0))).detail.get(
+        "offline_tokens_per_s") is None  # no offline engine: nothing to measure between the rounds
+    bench.llm = offline_engine(ckpt, s)
+    order = []
+    add = bench.llm.add_request
+    bench.llm.add_request = lambda *a, **k: (order.append(len(a[0])), add(*a, **k))[1]
+    f = bench.referenced(lambda between: run_closed_loop(bench.llm, s, between))
+    assert (f.requests, f.output_tokens) == (5, 5 * 4)
+    around = f.detail["offline_tokens_per_s_around"]
+    assert len(around) == 3 and min(around) > 0 and f.detail["offline_tokens_per_s"] == pytest.approx(
+        sum(around) / 3)  # before round 1, after round 1, after round 2
+    # the prompts added, in order: warm-up (2), then reference runs (2 prompts each: warm-up + 8 timed)
+    # between the rounds of 3 and 2 closed-loop requests
+    reference = [8] * 2 * 9
+    assert order == [8] * 2 + reference + [8] * 3 + reference + [8] * 2 + reference
 
 
 def test_targets_are_undecided_on_a_cpu_or_without_the_figures():

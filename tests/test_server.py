@@ -605,6 +605,37 @@ def test_an_engine_process_that_dies_fails_its_requests_and_health_and_one_that_
         EngineProcess(dict(model=str(checkpoint), device="cpu", max_model_len=1 << 40, num_blocks=8))
 
 
+def test_the_engine_processs_pipe_threads_keep_order_and_send_what_queued_up_in_one_message():
+    """The engine loop only queues; the writer sends every iteration queued since its last write in
+    one message, in order, a failure after them; the reader ends the loop's queue when the pipe closes."""
+    import multiprocessing as mp
+    import queue
+
+    from megactx.serve.engine_process import _PIPE_CLOSED, _read_commands, _write_outputs
+
+    class Pipe:
+        def __init__(self):
+            self.sent = []
+
+        def send(self, message):
+            self.sent.append(message)
+
+    outbox, pipe = queue.SimpleQueue(), Pipe()
+    for i in range(3):
+        outbox.put(("steps", i))
+    outbox.put(("failed", "RuntimeError: boom"))
+    outbox.put(None)
+    _write_outputs(outbox, pipe)  # returns at None
+    assert pipe.sent == [("steps", [0, 1, 2]), ("failed", "RuntimeError: boom")]
+
+    read_end, write_end = mp.Pipe(duplex=False)
+    inbox = queue.SimpleQueue()
+    write_end.send("add")
+    write_end.close()
+    _read_commands(read_end, inbox)  # returns once the pipe is closed
+    assert [inbox.get(), inbox.get()] == ["add", _PIPE_CLOSED] and inbox.empty()
+
+
 # ---------------------------------------------------------------------------- the command line
 def test_serve_flags_are_explained_and_bad_ones_refused(capsys, checkpoint, tmp_path, monkeypatch):
     monkeypatch.setattr("megactx.models.SHIPPED_MODEL_DIR", tmp_path / "absent")  # else `serve` serves it

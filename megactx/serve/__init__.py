@@ -184,8 +184,9 @@ def run_serve(args: argparse.Namespace) -> int:
                            draft_acceptance=args.draft_acceptance, async_scheduling=args.async_scheduling,
                            warm_up=args.warm_up, step_log=args.step_log)
         if args.engine_process:
-            from megactx.serve.engine_process import EngineFailed, EngineProcess
+            from megactx.serve.engine_process import SWITCH_INTERVAL_S, EngineFailed, EngineProcess
 
+            sys.setswitchinterval(SWITCH_INTERVAL_S)  # the pipes' threads get the GIL soon after a message
             try:
                 llm = EngineProcess(engine_args, log_level=args.log_level)
             except EngineFailed as e:

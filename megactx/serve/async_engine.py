@@ -553,9 +553,14 @@ class AsyncEngine:
             if kind == "failed":
                 loop.call_soon_threadsafe(self._fail_all, RuntimeError(payload))
                 return
-            admissions, deltas, now, gauges, spec = payload
-            loop.call_soon_threadsafe(self._on_engine_output, admissions, [Delta(*d) for d in deltas], now, gauges,
-                                      spec)
+            steps = [(admissions, [Delta(*d) for d in deltas], now, gauges, spec)
+                     for admissions, deltas, now, gauges, spec in payload]
+            loop.call_soon_threadsafe(self._on_engine_outputs, steps)
+
+    def _on_engine_outputs(self, steps: list[tuple]) -> None:
+        """Process mode: the iterations of one message from the engine process, in order."""
+        for step in steps:
+            self._on_engine_output(*step)
 
 
 def engine_gauges(llm: LLM) -> tuple[int, int, int, int, float]:
