@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -207,11 +208,14 @@ def test_an_http_error_is_raised_with_the_servers_words(fake_server):
 def test_online_run_through_megactx_serve(ckpt, extra_args):
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
-    s = Settings("cpu", [2], prompt_len=8, output_len=4, warmup_len=2, concurrency=2, requests=4, threads=1,
-                 server_timeout_s=120, request_timeout_s=120)
+    s = Settings("cpu", [2], prompt_len=8, output_len=4, warmup_len=2, concurrency=2, requests=4, rounds=2,
+                 threads=1, server_timeout_s=120, request_timeout_s=120)
     said: list[str] = []
-    f = run_online(ckpt, s, vocab_size=256, log=said.append, extra_args=extra_args)
-    assert any("megactx serve is up" in line for line in said)
+    between = []  # before round 1 and after each round, untimed (the bench runs the offline engine there)
+    f = run_online(ckpt, s, vocab_size=256, log=said.append, extra_args=extra_args,
+                   between=lambda: between.append(time.perf_counter()))
+    assert any("megactx serve is up" in line for line in said) and len(between) == 3
+    assert f.wall_s < between[-1] - between[0]
     assert (f.engine, f.batch, f.requests) == (SERVE, 2, 4)
     assert f.output_tokens == 4 * 4 and f.detail["tokens_counted_from"] == "usage"
     assert f.ttft_s["n"] == 4 and f.ttft_s["p99"] <= f.latency_s["p99"] <= f.wall_s
