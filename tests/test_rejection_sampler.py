@@ -168,6 +168,10 @@ def test_seeded_rows_draw_from_their_own_generators():
         return uniforms[seeded_row].tolist(), result.tokens[seeded_row].tolist()
 
     assert run([3], 0) == run([0, 1, 3, 4], 2)
+    shared = torch.Generator().manual_seed(3)
+    before = shared.get_state()  # every row seeded: nothing drawn from the shared generator
+    assert torch.equal(draw_uniforms(2, 2, "cpu", [torch.Generator().manual_seed(7)] * 2, shared).isfinite(),
+                       torch.ones(2, 2, dtype=torch.bool)) and torch.equal(shared.get_state(), before)
 
 
 def test_shapes_are_checked():

@@ -180,6 +180,18 @@ def test_a_seeded_request_samples_the_same_alone_and_batched():
     assert alone == batched == again
 
 
+def test_a_batch_of_seeded_rows_leaves_the_shared_generator_alone():
+    """Every row has its own generator: no noise is drawn from the shared one (it would be thrown
+    away, a [B, V] draw a step); a row without one still draws from it."""
+    probs = torch.softmax(torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(0)), dim=-1)
+    shared = torch.Generator().manual_seed(1)
+    before = shared.get_state()
+    sample(probs, [make_generator(s, "cpu") for s in (5, 6, 7)], shared)
+    assert torch.equal(shared.get_state(), before)
+    sample(probs, [make_generator(5, "cpu"), None, make_generator(7, "cpu")], shared)
+    assert not torch.equal(shared.get_state(), before)
+
+
 def test_different_seeds_give_different_tokens():
     steps = [torch.zeros(1, VOCAB)] * 20  # uniform: any difference comes from the seed
     runs = [run_steps(Sampler(), steps, [SamplingParams(seed=s)], [make_generator(s, "cpu")], row=0)

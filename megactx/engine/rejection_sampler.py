@@ -82,10 +82,12 @@ def draw_uniforms(num_rows: int, width: int, device: torch.device | str,
     """U[0, 1) draws [num_rows, width] fp32 for the acceptance tests. A row with its own generator
     (a seeded request) draws its `width` values from it, so its draws do not depend on the batch;
     the others draw from `shared_generator` (None: torch's default generator)."""
-    uniforms = torch.rand(num_rows, width, device=device, generator=shared_generator)
-    for row, generator in enumerate(generators or ()):
-        if generator is not None:
-            uniforms[row] = torch.rand(width, device=device, generator=generator)
+    seeded = [(row, generator) for row, generator in enumerate(generators or ()) if generator is not None]
+    uniforms = torch.empty(num_rows, width, device=device)
+    if len(seeded) < num_rows:  # some rows draw from the shared generator
+        uniforms.uniform_(generator=shared_generator)
+    for row, generator in seeded:  # in place: the values torch.rand(width, generator=...) gives
+        uniforms[row].uniform_(generator=generator)
     return uniforms
 
 

@@ -275,12 +275,14 @@ def sample(probs: torch.Tensor, generators: Sequence[torch.Generator | None] | N
     `generators` is None) draw from `shared_generator` (None: torch's default generator). A one-hot
     row (greedy) always yields its hot token.
     """
-    noise = torch.empty_like(probs).exponential_(generator=shared_generator)  # [B, V]
-    for row, generator in enumerate(generators or ()):
-        if generator is not None:
-            # A seeded row draws exactly V values from its own generator each step, so its noise is
-            # the same whether it runs alone or batched.
-            noise[row].exponential_(generator=generator)
+    seeded = [(row, generator) for row, generator in enumerate(generators or ()) if generator is not None]
+    noise = torch.empty_like(probs)  # [B, V]
+    if len(seeded) < probs.shape[0]:  # some rows draw from the shared generator
+        noise.exponential_(generator=shared_generator)
+    for row, generator in seeded:
+        # A seeded row draws exactly V values from its own generator each step, so its noise is
+        # the same whether it runs alone or batched.
+        noise[row].exponential_(generator=generator)
     # E can round to 0; a tiny floor keeps p / E finite (0 / 0 would be NaN, which argmax prefers).
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)
     return (probs / noise).argmax(dim=-1)

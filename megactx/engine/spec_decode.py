@@ -318,7 +318,8 @@ class SpecDecoder:
 
         seqs = [item.seq for item, _ in chunks]
         tensors = self._verify_sampling.get(seqs, device, vocab, self.eos_token_ids)
-        tensors = tensors.select(torch.arange(bsz, device=device).repeat_interleave(width + 1))
+        if not tensors.all_greedy or tensors.any_min_tokens or tensors.any_penalties:  # a row a position
+            tensors = tensors.select(torch.arange(bsz, device=device).repeat_interleave(width + 1))
         processed = raw
         if tensors.any_min_tokens or tensors.any_penalties:
             # position j of a verify comes after drafts 1 .. j: they count as output there (on the host: waits
