@@ -466,17 +466,20 @@ class SpecDecoder:
             self._pick(plan, step, active, idx, draft_logits(self.model, hidden.index_select(0, idx)), tokens, probs)
         self._keep(plan, tokens, probs)
 
-    def _pick(self, plan: _DraftPlan, step: int, active: list[int], idx: torch.Tensor, logits: torch.Tensor,
+    def _pick(self, plan: _DraftPlan, step: int, active: list[int], idx: torch.Tensor | None, logits: torch.Tensor,
               tokens: torch.Tensor, probs: torch.Tensor | None) -> None:
         """The draft tokens of step `step` of the drafting sequences `active` (indices into plan.seqs;
-        idx: the same on the device) from their draft logits [A, V] fp32 -> tokens[idx, step], and
-        probs[idx, step] = the q they were drawn from when sampled. Eager and graphed paths alike."""
+        idx: the same on the device, None when `active` is all of them) from their draft logits [A, V]
+        fp32 -> tokens[idx, step], and probs[idx, step] = the q they were drawn from when sampled.
+        Eager and graphed paths alike."""
+        every = len(active) == len(plan.seqs)  # all of them, in order (most steps): no gathers
+        rows = slice(None) if every else idx
         if plan.greedy:
-            tokens[idx, step] = logits.argmax(dim=-1)
+            tokens[rows, step] = logits.argmax(dim=-1)
             return
-        q = process_logits(logits, plan.tensors.select(idx))
-        tokens[idx, step] = sample(q, [plan.gens[b] for b in active], self.shared_generator)
-        probs[idx, step] = q
+        q = process_logits(logits, plan.tensors if every else plan.tensors.select(idx))
+        tokens[rows, step] = sample(q, [plan.gens[b] for b in active], self.shared_generator)
+        probs[rows, step] = q
 
     def _keep(self, plan: _DraftPlan, tokens: torch.Tensor, probs: torch.Tensor | None) -> None:
         """Hold tokens [B, >= max steps] (and probs) as each drafting sequence's next drafts. No host
@@ -606,13 +609,18 @@ class DraftGraphs:
             return True
         tokens = torch.zeros(len(plan.seqs), max(plan.steps), dtype=torch.long, device=device)
         probs = torch.zeros(len(plan.seqs), max(plan.steps), self.spec.vocab_size, device=device)
+        everyone = list(range(len(plan.seqs)))
         for step, graph in enumerate(graphs):
             graph.replay()
-            active = [b for b in range(len(plan.seqs)) if plan.steps[b] > step]
-            idx = to_device(active, device)
-            self.spec._pick(plan, step, active, idx, graph.outputs.index_select(0, member_rows[idx]), tokens, probs)
-            if step + 1 < len(graphs):
-                self.tokens[member_rows[idx], step] = tokens[idx, step]  # what the next graph embeds
+            active = [b for b in everyone if plan.steps[b] > step]
+            idx = member_idx = None  # all of plan.seqs (most steps): no index to copy or gather with
+            if len(active) < len(everyone):
+                idx = to_device(active, device)
+                member_idx = member_rows[idx]
+            rows = member_rows if idx is None else member_idx
+            self.spec._pick(plan, step, active, idx, graph.outputs.index_select(0, rows), tokens, probs)
+            if step + 1 < len(graphs):  # what the next graph embeds
+                self.tokens[rows, step] = tokens[:, step] if idx is None else tokens[idx, step]
         self.spec._keep(plan, tokens, probs)
         return True
 
