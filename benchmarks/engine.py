@@ -645,7 +645,11 @@ def _send_next(llm, waiting: Iterator[list[int]], params, outs: list) -> None:
         outs.append(llm.requests[llm.add_request(prompt, params)].output)
 
 
-def run_closed_loop(llm, s: Settings, between: Callable[[], object] | None = None) -> RunFigures:
+def _nothing() -> None:
+    pass
+
+
+def run_closed_loop(llm, s: Settings, between: Callable[[], object] = _nothing) -> RunFigures:
     """The online run's workload on `llm` in-process: a warm-up round of C requests, then R requests
     (the online run's prompts) in `s.rounds` rounds, each with C in flight, a client's next added when
     its last finishes. between(): called before the first round and after each (not timed)."""
@@ -659,8 +663,7 @@ def run_closed_loop(llm, s: Settings, between: Callable[[], object] | None = Non
 
     with logged_steps(llm) as step_figures:
         for prompts in split_rounds(random_prompts(s.requests, s.prompt_len, vocab, _prompt_seed(s, 0, 1)), s.rounds):
-            if between:
-                between()  # offline runs log their steps elsewhere (logged_steps of their own)
+            between()  # offline runs log their steps elsewhere (logged_steps of their own)
             waiting = iter(prompts)
             start = time.perf_counter()
             for _ in range(s.concurrency):
@@ -670,8 +673,7 @@ def run_closed_loop(llm, s: Settings, between: Callable[[], object] | None = Non
                     if delta.finish_reason is not None:
                         _send_next(llm, waiting, params, outs)
             wall += time.perf_counter() - start
-        if between:
-            between()
+        between()
     tokens = sum(len(o.token_ids) for o in outs)
     return RunFigures(CLOSED, s.concurrency, len(outs), s.prompt_len, s.output_len, tokens, wall,
                       summarize([o.first_token_time - o.arrival_time for o in outs]), None,
@@ -691,7 +693,7 @@ def online_figures(results: list[RequestResult], wall_s: float, s: Settings) -> 
 
 
 def run_online(path: Path, s: Settings, vocab_size: int, log: Callable[[str], object],
-               extra_args: Sequence[str] = (), between: Callable[[], object] | None = None) -> RunFigures:
+               extra_args: Sequence[str] = (), between: Callable[[], object] = _nothing) -> RunFigures:
     """Start the server (with extra_args), run one warm-up round of clients, then `s.rounds` timed
     rounds of R requests in all, stop it. between(): called before the first timed round and after
     each (not timed; the server idles meanwhile)."""
@@ -708,16 +710,14 @@ def run_online(path: Path, s: Settings, vocab_size: int, log: Callable[[str], ob
         ttft_before = server.ttft_sum_count()
         results, wall, start = [], 0.0, time.perf_counter()
         for part in split_rounds(prompts, s.rounds):
-            if between:
-                between()
+            between()
             got, took = client_round(server.host, server.port, completion_bodies(model, part, s.output_len),
                                      s.concurrency, s.request_timeout_s)
             results += got
             wall += took
         steps = server.steps(start, time.perf_counter())  # the server makes no steps between rounds
         ttft_after = server.ttft_sum_count()
-        if between:
-            between()
+        between()
     figures = online_figures(results, wall, s)
     figures.detail["engine_steps"] = steps
     if ttft_before and ttft_after and ttft_after[1] > ttft_before[1]:
@@ -824,14 +824,14 @@ class EngineBench:
             self.results["skipped"].append({"step": "transformers offline", "reason": reason})
             return None
 
-    def referenced(self, run: Callable[[Callable[[], object] | None], RunFigures]) -> RunFigures:
+    def referenced(self, run: Callable[[Callable[[], object]], RunFigures]) -> RunFigures:
         """run(between)'s figures, with the offline engine's tokens/s at the clients' batch measured
         at every between() (before its first round and after each; `offline_tokens_per_s`: their
         mean), the figure its overhead is taken against: the lent host's speed drifts (see
         REFERENCE_RUNS), so an offline figure from another part of the run would measure the drift
         as much as the server."""
         if self.llm is None:  # the offline engine did not load: the offline table's figure, if any
-            return run(None)
+            return run(_nothing)
         around: list[float] = []
         figures = run(lambda: around.append(self._offline_reference()))
         figures.detail["offline_tokens_per_s_around"] = around

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megactx.engine.sampler import PAD_ID, sample
+from megactx.engine.sampler import PAD_ID, draw_rows, sample
 
 
 @dataclass
@@ -82,13 +82,8 @@ def draw_uniforms(num_rows: int, width: int, device: torch.device | str,
     """U[0, 1) draws [num_rows, width] fp32 for the acceptance tests. A row with its own generator
     (a seeded request) draws its `width` values from it, so its draws do not depend on the batch;
     the others draw from `shared_generator` (None: torch's default generator)."""
-    seeded = [(row, generator) for row, generator in enumerate(generators or ()) if generator is not None]
-    uniforms = torch.empty(num_rows, width, device=device)
-    if len(seeded) < num_rows:  # some rows draw from the shared generator
-        uniforms.uniform_(generator=shared_generator)
-    for row, generator in seeded:  # in place: the values torch.rand(width, generator=...) gives
-        uniforms[row].uniform_(generator=generator)
-    return uniforms
+    # in place: a row gets the values torch.rand(width, generator=...) gives
+    return draw_rows(torch.empty(num_rows, width, device=device), torch.Tensor.uniform_, generators, shared_generator)
 
 
 def rejection_sample(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,

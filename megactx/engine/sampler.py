@@ -17,7 +17,7 @@ which draws its noise from its own generator.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -275,17 +275,25 @@ def sample(probs: torch.Tensor, generators: Sequence[torch.Generator | None] | N
     `generators` is None) draw from `shared_generator` (None: torch's default generator). A one-hot
     row (greedy) always yields its hot token.
     """
-    seeded = [(row, generator) for row, generator in enumerate(generators or ()) if generator is not None]
-    noise = torch.empty_like(probs)  # [B, V]
-    if len(seeded) < probs.shape[0]:  # some rows draw from the shared generator
-        noise.exponential_(generator=shared_generator)
-    for row, generator in seeded:
-        # A seeded row draws exactly V values from its own generator each step, so its noise is
-        # the same whether it runs alone or batched.
-        noise[row].exponential_(generator=generator)
+    # A seeded row draws exactly V values from its own generator each step, so its noise is the same
+    # whether it runs alone or batched.
+    noise = draw_rows(torch.empty_like(probs), torch.Tensor.exponential_, generators, shared_generator)  # [B, V]
     # E can round to 0; a tiny floor keeps p / E finite (0 / 0 would be NaN, which argmax prefers).
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)
     return (probs / noise).argmax(dim=-1)
+
+
+def draw_rows(out: torch.Tensor, draw: Callable[..., torch.Tensor], generators: Sequence[torch.Generator | None]
+              | None, shared_generator: torch.Generator | None) -> torch.Tensor:
+    """Fill out [B, ...] in place with draw(tensor, generator=...) (e.g. Tensor.exponential_): row b
+    from generators[b] where it has one, the other rows from shared_generator (drawn for the whole
+    tensor, and only when some row has no generator of its own). -> out."""
+    seeded = [(row, generator) for row, generator in enumerate(generators or ()) if generator is not None]
+    if len(seeded) < out.shape[0]:
+        draw(out, generator=shared_generator)
+    for row, generator in seeded:
+        draw(out[row], generator=generator)
+    return out
 
 
 def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: int

@@ -609,15 +609,12 @@ class DraftGraphs:
             return True
         tokens = torch.zeros(len(plan.seqs), max(plan.steps), dtype=torch.long, device=device)
         probs = torch.zeros(len(plan.seqs), max(plan.steps), self.spec.vocab_size, device=device)
-        everyone = list(range(len(plan.seqs)))
         for step, graph in enumerate(graphs):
             graph.replay()
-            active = [b for b in everyone if plan.steps[b] > step]
-            idx = member_idx = None  # all of plan.seqs (most steps): no index to copy or gather with
-            if len(active) < len(everyone):
-                idx = to_device(active, device)
-                member_idx = member_rows[idx]
-            rows = member_rows if idx is None else member_idx
+            active = [b for b in range(len(plan.seqs)) if plan.steps[b] > step]
+            # all of plan.seqs (most steps): no index to copy or gather with
+            idx = None if len(active) == len(plan.seqs) else to_device(active, device)
+            rows = member_rows if idx is None else member_rows[idx]
             self.spec._pick(plan, step, active, idx, graph.outputs.index_select(0, rows), tokens, probs)
             if step + 1 < len(graphs):  # what the next graph embeds
                 self.tokens[rows, step] = tokens[:, step] if idx is None else tokens[idx, step]
