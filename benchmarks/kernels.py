@@ -369,13 +369,14 @@ class KernelBench:
         q8, w = self._randn(B, g.index_heads, g.index_dim, dtype=FP8), self._rand(B, g.index_heads)
         seq = torch.arange(B, dtype=torch.int32, device=self.dev)
         key_len = torch.full((B,), L, dtype=torch.int32, device=self.dev)
+        key_len_host = key_len.cpu()  # as the engine passes it: no device read, so the step can be a graph
         flops = g.indexer_flops(B * L)
         moved = B * L * (g.index_row_bytes + 4)  # keys and their scales read, fp32 logits written
         detail = {"batch": B, "pool_blocks": pool, "shared_blocks": pool < B * nb}
         self._timed("indexer.decode.logits", L, lambda: self.k.indexer_logits(q8, w, cache, bt, seq, key_len, L),
                     flops, moved, "fp8_mm", detail, graph=True)
         self._timed("indexer.decode.logits+topk", L,
-                    lambda: self.k.indexer_topk_chunked(q8, w, cache, bt, seq, key_len, g.topk, B),
+                    lambda: self.k.indexer_topk_chunked(q8, w, cache, bt, seq, key_len, g.topk, B, key_len_host),
                     flops, moved, "fp8_mm", detail, graph=True)
 
     def plain_indexer_decode(self, L: int) -> None:
@@ -396,7 +397,7 @@ class KernelBench:
         qb, wb = self._randn(B, 1, g.index_heads, g.index_dim), self._rand(B, 1, g.index_heads, dtype=torch.bfloat16)
         kl = torch.full((B, 1), L, device=self.dev)
         self._timed(name, L, lambda: plain_indexer_topk(qb, wb, keys, kl, g.topk), flops, None, "bf16_mm",
-                    {"batch": B})
+                    {"batch": B}, graph=True)
 
     # -------------------------------------------------------------------------- sparse MLA
     def sparse_prefill(self, L: int) -> None:
