@@ -23,12 +23,13 @@ Rows of at most `candidates` keys skip 1 and 2 (the row itself is the buffer). W
 overflows (heavy ties, or an adversarial order of values), the row falls back to narrowing over the
 row itself in one program: exact, but it reads the row ~8 more times.
 
-Two launch plans, one set of steps: many rows (prefill chunks) run one fused program per row, which
-also lets the second read hit L2; few long rows (decode) split each row over S programs for steps 1
-and 2 (program s owns groups s·M/S .. (s+1)·M/S - 1, writing their maxima to a scratch, and
-collects every S-th tile into the buffer through a per-row atomic counter), with the threshold and
-the selection as small per-row kernels in between. No step reads device data on the host, so the
-whole call can be captured in a CUDA graph.
+Two launch plans, one set of steps: many short rows run one fused program per row, which also
+lets the second read hit L2 (its collect appends in position order, with a scan); long rows
+(decode, and prefill chunks from 2 x MIN_SEGMENT keys on) split each row over S programs for steps
+1 and 2 (program s owns groups s·M/S .. (s+1)·M/S - 1, writing their maxima to a scratch, and
+collects every S-th tile into the buffer, each candidate taking its slot from a per-row atomic
+counter), with the threshold and the selection as small per-row kernels in between. No step reads
+device data on the host, so the whole call can be captured in a CUDA graph.
 
 Ties at the threshold go to the lowest positions, so the selected set is deterministic; the order
 of positions within a row is not (the split plan appends candidates in whatever order the programs
@@ -129,13 +130,24 @@ def _collect_tile(row_ptr, s0, end, tau, buf_key_ptr, buf_idx_ptr, counter_ptr, 
     A light pass over the whole tile only counts; the positions (a scan, and scattered stores with
     a 64-bit address each) are worked out SUB elements at a time, re-reading the tile from L1, so
     that the registers a program holds, and so the loads in flight per multiprocessor, are set by
-    the light pass: only ~0.1-1% of the elements are candidates."""
+    the light pass: only ~0.1-1% of the elements are candidates.
+
+    ATOMIC (several programs share the row's buffer, so the order is not the row's anyway): one
+    pass, each candidate taking its slot with an atomic increment of the row's counter. No scan: on
+    an H200 the scanning collect of a 4096 x 128K causal chunk took 2.0 ms, 4 reads' worth of the
+    row, against 0.5 ms for the group-maxima pass that reads it once."""
+    if ATOMIC:  # (names of their own: Triton compiles both branches' variables into one scope)
+        a_pos = s0 + tl.arange(0, BLOCK)
+        a_keys = _load_keys(row_ptr, a_pos, end, MASKED)
+        a_take = a_keys >= tau
+        a_slot = tl.atomic_add(counter_ptr + tl.zeros([BLOCK], tl.int32), 1, mask=a_take, sem="relaxed")
+        a_keep = a_take & (a_slot < cap)
+        tl.store(buf_key_ptr + a_slot, a_keys, mask=a_keep)
+        tl.store(buf_idx_ptr + a_slot, a_pos, mask=a_keep)
+        return count + tl.sum(a_take.to(tl.int32))
     c = tl.sum((_load_keys(row_ptr, s0 + tl.arange(0, BLOCK), end, MASKED) >= tau).to(tl.int32))
     if c > 0:
-        if ATOMIC:
-            base = tl.atomic_add(counter_ptr, c, sem="relaxed")  # one reservation for the tile
-        else:
-            base = count
+        base = count
         sub = tl.arange(0, SUB)
         for j in range(0, BLOCK, SUB):
             pos = s0 + j + sub
@@ -391,7 +403,8 @@ class TopkConfig:
     powers of two; None = the default of the launch plan the call takes (`FUSED`, `SPLIT`).
 
     block: tile of a streaming pass that collects candidates (its light, counting part).
-    sub_block: tile of the heavy part (scan and scattered stores) of the collect pass.
+    sub_block: tile of the heavy part (scan and scattered stores) of the fused plan's collect pass
+        (the split plan's atomic collect has none: it does not read this knob).
     max_tile: elements a step of the group-maxima pass loads (at least the program's groups).
         Streaming loads are not pipelined by Triton, so a step's size sets the bytes in flight.
     num_warps: warps a program.
@@ -426,11 +439,17 @@ class TopkConfig:
     # run four programs a multiprocessor. Timed on an H200 (benchmarks/tune_topk.py, k = 2048):
     # fused sub_block 2048 beat 512 by 1.3x (4096 x 64K causal: 1.84 vs 2.40 ms; 1024 x 128K: 0.91
     # vs 1.19 ms); split with 4 warps beat 8 by 1.3x (64 x 1M: 0.33 vs 0.43 ms; 256 x 1M: 1.16 vs
-    # 1.59 ms) — 2.6x faster than torch.topk.
+    # 1.59 ms) — 2.6x faster than torch.topk. With the split plan's atomic collect (one read, no
+    # scan), 1024-element tiles beat 2048 / 4096 / 8192 on 4096 x 128K causal (1.90 / 2.00 / 3.02 /
+    # 3.86 ms; the fused plan 3.38) and on 1024 x 128K (0.57 / 0.61 / 0.86 / 1.03; fused 0.91).
     FUSED = MappingProxyType(dict(block=4096, sub_block=2048, max_tile=8192, num_warps=8))
-    SPLIT = MappingProxyType(dict(block=4096, sub_block=512, max_tile=4096, num_warps=4))
+    SPLIT = MappingProxyType(dict(block=1024, sub_block=512, max_tile=4096, num_warps=4))
     PROGRAMS_PER_SM = 4
     MIN_SEGMENT = 16384  # elements a program of the split plan, at the least
+    # Programs a row once rows are long enough for two segments, however many rows: the split plan's
+    # atomic collect reads a row once, the fused plan's ordered one also scans it (H200, 4096 x 128K
+    # causal chunk: 2.8 ms split, 3.4 fused, before the atomic collect).
+    MIN_SPLIT = 2
     PREFIX_BITS = 16  # of the first threshold: 7 mantissa bits, within 1% of the k-th group maximum
     MAX_GROUPS = 16384  # the threshold step holds them in registers
     MAX_K = 8192  # 2 k candidates in registers: clean up to k = 4096, spilling (slower) beyond (sm_90)
@@ -480,7 +499,7 @@ class TopkPlan:
             split = triton.next_power_of_2(triton.cdiv(cfg.PROGRAMS_PER_SM * cfg.CPU_SMS, T))
         if cfg.programs_per_row is None:
             most = max(1, L // cfg.MIN_SEGMENT)
-            split = min(split, 1 << (most.bit_length() - 1))
+            split = min(max(split, cfg.MIN_SPLIT), 1 << (most.bit_length() - 1))
         if L <= cap:
             split = 1  # every row is selected directly: nothing to split
         split = min(split, groups)  # at least one group maximum a program
