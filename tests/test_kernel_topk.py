@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 import torch
 
-from megactx.kernels.topk import TopkConfig, topk_rows
+from megactx.kernels.topk import TopkConfig, TopkPlan, topk_rows
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Small tiles so that rows of ~1000 keys take many steps (two sub-tiles a tile in the collect pass);
@@ -154,6 +154,29 @@ def test_default_config_splits_long_rows():
     logits = torch.randn(2, 40_000, generator=gen)
     key_len = torch.tensor([40_000, 33_333], dtype=torch.int32)
     _check(logits, 100, key_len, topk_rows(logits.to(DEVICE), 100, key_len.to(DEVICE)))
+
+
+def test_plan_of_many_long_rows_is_split():
+    """Prefill chunks (many rows): rows of two segments or more take the split plan (its collect reads
+    a row once), shorter rows the fused one; a row that fits the buffer is never split."""
+    cfg, cpu = TopkConfig(), torch.device("cpu")
+    long_rows = 2 * cfg.MIN_SEGMENT
+    assert TopkPlan.make(4096, long_rows, 2048, cfg, cpu).split == cfg.MIN_SPLIT
+    assert TopkPlan.make(4096, long_rows - 1, 2048, cfg, cpu).split == 1
+    assert TopkPlan.make(4096, 4096, 2048, cfg, cpu).split == 1
+    assert TopkPlan.make(4096, 1 << 20, 2048, TopkConfig(programs_per_row=1), cpu).split == 1  # asked for
+
+
+def test_many_long_rows_default_plan():
+    """The default plan on more rows than the interpreter's SMs x PROGRAMS_PER_SM, each of two
+    segments: split by MIN_SPLIT, exact."""
+    gen = torch.Generator().manual_seed(8)
+    rows = 2 * TopkConfig.PROGRAMS_PER_SM * TopkConfig.CPU_SMS
+    L = 2 * TopkConfig.MIN_SEGMENT
+    logits = torch.randn(rows, L, generator=gen)
+    key_len = torch.randint(L // 2, L + 1, (rows,), generator=gen, dtype=torch.int32)
+    assert TopkPlan.make(rows, L, 50, TopkConfig(), torch.device(DEVICE)).split == TopkConfig.MIN_SPLIT
+    _check(logits, 50, key_len, topk_rows(logits.to(DEVICE), 50, key_len.to(DEVICE)))
 
 
 def test_row_stride_and_out_buffer():
