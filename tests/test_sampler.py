@@ -172,11 +172,11 @@ def test_greedy_rows_take_the_argmax_in_a_mixed_batch():
 def test_a_seeded_request_samples_the_same_alone_and_batched():
     steps = [torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(10 + i)) for i in range(8)]
     seeded = SamplingParams(seed=1234, top_k=7)
-    alone = run_steps(Sampler(), [s[1:2] for s in steps], [seeded], [make_generator(1234, "cpu")], row=0)
+    alone = run_steps(Sampler(), [s[1:2] for s in steps], [seeded], [make_generator(1234)], row=0)
     batched = run_steps(Sampler(torch.Generator().manual_seed(99)), steps,
                         [SamplingParams(seed=5), seeded, SamplingParams()],
-                        [make_generator(5, "cpu"), make_generator(1234, "cpu"), None], row=1)
-    again = run_steps(Sampler(), [s[1:2] for s in steps], [seeded], [make_generator(1234, "cpu")], row=0)
+                        [make_generator(5), make_generator(1234), None], row=1)
+    again = run_steps(Sampler(), [s[1:2] for s in steps], [seeded], [make_generator(1234)], row=0)
     assert alone == batched == again
 
 
@@ -186,15 +186,15 @@ def test_a_batch_of_seeded_rows_leaves_the_shared_generator_alone():
     probs = torch.softmax(torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(0)), dim=-1)
     shared = torch.Generator().manual_seed(1)
     before = shared.get_state()
-    sample(probs, [make_generator(s, "cpu") for s in (5, 6, 7)], shared)
+    sample(probs, [make_generator(s) for s in (5, 6, 7)], shared)
     assert torch.equal(shared.get_state(), before)
-    sample(probs, [make_generator(5, "cpu"), None, make_generator(7, "cpu")], shared)
+    sample(probs, [make_generator(5), None, make_generator(7)], shared)
     assert not torch.equal(shared.get_state(), before)
 
 
 def test_different_seeds_give_different_tokens():
     steps = [torch.zeros(1, VOCAB)] * 20  # uniform: any difference comes from the seed
-    runs = [run_steps(Sampler(), steps, [SamplingParams(seed=s)], [make_generator(s, "cpu")], row=0)
+    runs = [run_steps(Sampler(), steps, [SamplingParams(seed=s)], [make_generator(s)], row=0)
             for s in (1, 2)]
     assert runs[0] != runs[1]
 
@@ -217,6 +217,19 @@ def test_sample_follows_probs_by_chi_square():
     skewed = probs ** 0.8 / (probs ** 0.8).sum()
     wrong = sample(skewed.expand(num, 5).contiguous(), shared_generator=torch.Generator().manual_seed(7))
     assert chi_square(wrong, probs) > CHI2_4_DOF_P001
+
+
+def test_seeded_streams_follow_probs_by_chi_square():
+    """Seeded rows draw from counter-based streams: 20,000 requests of different seeds, one draw each
+    (across streams), and one request drawing 20,000 times (along its stream), both by chi-square."""
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.15, 0.25])
+    num = 20_000
+    across = sample(probs.expand(num, 5).contiguous(), [make_generator(seed) for seed in range(num)])
+    assert chi_square(across, probs) < CHI2_4_DOF_P001
+    stream = make_generator(2024)
+    along = torch.cat([sample(probs[None], [stream]) for _ in range(num // 100) for _ in range(100)])
+    assert chi_square(along, probs) < CHI2_4_DOF_P001
+    assert stream.offset == num * 5  # each draw took a row's worth of the stream
 
 
 def test_sample_never_picks_a_zero_probability_token():
@@ -338,17 +351,17 @@ def test_cuda_seeded_rows_are_batch_invariant_and_distributions_match_cpu():
         batch = SamplingBatch(step_tensors, output_token_ids=out_ids, generators=generators)
         return [Sampler()(logits, batch).tokens[row].item() for logits in row_logits]
 
-    gens = [None, make_generator(77, "cuda"), None, make_generator(3, "cuda")]
+    gens = [None, make_generator(77), None, make_generator(3)]
     batched = tokens_of(logits_steps, tensors, gens, 1, history)
     alone_tensors = SamplingTensors.from_params([seeded], "cuda", vocab)
-    alone = tokens_of([s[1:2] for s in logits_steps], alone_tensors, [make_generator(77, "cuda")], 0, history[1:2])
+    alone = tokens_of([s[1:2] for s in logits_steps], alone_tensors, [make_generator(77)], 0, history[1:2])
     assert alone == batched
 
     cpu_probs = process_logits(logits_steps[0].cpu(), SamplingTensors.from_params(params, "cpu", vocab))
     torch.testing.assert_close(process_logits(logits_steps[0], tensors).cpu(), cpu_probs, atol=1e-6, rtol=1e-4)
 
     probs = torch.tensor([0.1, 0.2, 0.3, 0.15, 0.25], device="cuda")
-    drawn = sample(probs.expand(20_000, 5).contiguous(), shared_generator=make_generator(7, "cuda"))
+    drawn = sample(probs.expand(20_000, 5).contiguous(), shared_generator=torch.Generator(device="cuda").manual_seed(7))
     assert chi_square(drawn.cpu(), probs.cpu()) < CHI2_4_DOF_P001
 
 

@@ -40,7 +40,14 @@ import torch
 from megactx.engine.block_manager import BlockManager
 from megactx.engine.model_runner import CacheConfig, DeviceTokens, ModelRunner, plan_num_blocks
 from megactx.engine.outputs import CompletionOutput, Delta, EngineStats, RequestOutput, TokenLogprobs
-from megactx.engine.sampler import Sampler, SamplingBatch, SamplingTensorsCache, make_generator, pad_token_ids
+from megactx.engine.sampler import (
+    RowGenerator,
+    Sampler,
+    SamplingBatch,
+    SamplingTensorsCache,
+    make_generator,
+    pad_token_ids,
+)
 from megactx.engine.sampling_params import SamplingParams, check_stop
 from megactx.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from megactx.engine.sequence import Sequence as Seq
@@ -213,7 +220,7 @@ class LLM:
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(seed))
         self.requests: dict[str, _Request] = {}
         self._seqs: dict[int, tuple[_Request, int]] = {}  # seq_id -> (request, completion index)
-        self._generators: dict[int, torch.Generator] = {}
+        self._generators: dict[int, RowGenerator] = {}
         self._ids = itertools.count()
         self._sampling = SamplingTensorsCache()
         self._pending: _Pending | None = None  # a step whose tokens are on their way to the host
@@ -325,7 +332,7 @@ class LLM:
         for i, seq in enumerate(seqs):
             self._seqs[seq.seq_id] = (request, i)
             if params.seed is not None:  # completion i of a seeded request draws from seed + i
-                self._generators[seq.seq_id] = make_generator(params.seed + i, self.device)
+                self._generators[seq.seq_id] = make_generator(params.seed + i)
         self.stats.prompt_tokens += len(prompt_ids) * params.n
         return request_id
 

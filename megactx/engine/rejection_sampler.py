@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megactx.engine.sampler import PAD_ID, draw_rows, sample
+from megactx.engine.sampler import PAD_ID, UNIFORM, RowSource, draw_rows, sample
 
 
 @dataclass
@@ -77,18 +77,17 @@ def greedy_verify(target_tokens: torch.Tensor, draft_tokens: torch.Tensor, num_d
 
 
 def draw_uniforms(num_rows: int, width: int, device: torch.device | str,
-                  generators: Sequence[torch.Generator | None] | None = None,
+                  generators: Sequence[RowSource] | None = None,
                   shared_generator: torch.Generator | None = None) -> torch.Tensor:
     """U[0, 1) draws [num_rows, width] fp32 for the acceptance tests. A row with its own generator
     (a seeded request) draws its `width` values from it, so its draws do not depend on the batch;
     the others draw from `shared_generator` (None: torch's default generator)."""
-    # in place: a row gets the values torch.rand(width, generator=...) gives
-    return draw_rows(torch.empty(num_rows, width, device=device), torch.Tensor.uniform_, generators, shared_generator)
+    return draw_rows(torch.empty(num_rows, width, device=device), UNIFORM, generators, shared_generator)
 
 
 def rejection_sample(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
                      num_drafts: torch.Tensor, uniforms: torch.Tensor | None = None,
-                     generators: Sequence[torch.Generator | None] | None = None,
+                     generators: Sequence[RowSource] | None = None,
                      shared_generator: torch.Generator | None = None) -> VerifyResult:
     """The speculative-sampling rule (module docstring).
 

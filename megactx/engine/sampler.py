@@ -11,13 +11,14 @@ the same processed distribution for the target model (p) and the draft (q).
 
 Nothing here loops over the vocabulary in Python, and nothing reads a device value on the host:
 which optional stages run is decided from the requests' `SamplingParams` when the per-step
-`SamplingTensors` are built (gpt-fast style). The only Python loop is over *seeded* rows, each of
-which draws its noise from its own generator.
+`SamplingTensors` are built (gpt-fast style). A seeded request draws its noise from a stream of its
+own (`RowGenerator`: counter-based, `megactx.kernels.rng`), so its tokens do not depend on the batch;
+the seeded rows of a batch draw together, one launch a draw whatever their number.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from megactx.engine.sampling_params import SamplingParams
+from megactx.kernels import reference
+from megactx.kernels.reference import stream_key
 from megactx.model.paged import to_device
 
 if TYPE_CHECKING:
@@ -135,14 +138,14 @@ class SamplingBatch:
 
     prompt_token_ids / output_token_ids: [B, P] / [B, N] int64, PAD_ID padded (see
     `pad_token_ids`); they feed the penalties and `min_tokens`. None when no row needs them.
-    generators: per row, the request's own generator (seeded requests, see `make_generator`) or
-    None to draw from the sampler's shared generator.
+    generators: per row, the request's own stream (seeded requests, see `make_generator`; or any
+    torch.Generator) or None to draw from the sampler's shared generator.
     """
 
     tensors: SamplingTensors
     prompt_token_ids: torch.Tensor | None = None
     output_token_ids: torch.Tensor | None = None
-    generators: Sequence[torch.Generator | None] | None = None
+    generators: Sequence[RowSource] | None = None
 
 
 @dataclass
@@ -155,12 +158,27 @@ class SamplerOutput:
     top_token_ids: torch.Tensor | None = None  # [B, N] int64
 
 
-def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
-    """The generator a seeded request keeps for its whole life: each step draws from it, so its
-    tokens depend only on its seed and its own history, never on the other rows of the batch."""
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-    return generator
+class RowGenerator:
+    """The random stream a seeded request keeps for its whole life: a key (from the seed) and a
+    counter of the values drawn so far (`megactx.kernels.rng` defines the values). Each draw takes
+    the next values of the stream, so the request's tokens depend only on its seed and its own
+    history, never on the other rows of the batch; and the rows of a batch draw in one launch."""
+
+    __slots__ = ("key", "offset")
+
+    def __init__(self, seed: int):
+        self.key = stream_key(seed)
+        self.offset = 0
+
+
+def make_generator(seed: int) -> RowGenerator:
+    """The stream of a request with `seed` (see RowGenerator)."""
+    return RowGenerator(seed)
+
+
+# What a row of `generators` may be: a request's RowGenerator (the rows draw together) or a
+# torch.Generator (drawn from on its own, a launch a row), or None (the shared generator).
+RowSource = RowGenerator | torch.Generator | None
 
 
 def pad_token_ids(token_ids: Sequence[Sequence[int]], device: torch.device | str) -> torch.Tensor:
@@ -265,7 +283,7 @@ def _truncate_sorted(scaled: torch.Tensor, tensors: SamplingTensors) -> torch.Te
     return torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs)
 
 
-def sample(probs: torch.Tensor, generators: Sequence[torch.Generator | None] | None = None,
+def sample(probs: torch.Tensor, generators: Sequence[RowSource] | None = None,
            shared_generator: torch.Generator | None = None) -> torch.Tensor:
     """Draw one token per row. probs [B, V] fp32 (rows sum to 1) -> tokens [B] int64.
 
@@ -277,23 +295,70 @@ def sample(probs: torch.Tensor, generators: Sequence[torch.Generator | None] | N
     """
     # A seeded row draws exactly V values from its own generator each step, so its noise is the same
     # whether it runs alone or batched.
-    noise = draw_rows(torch.empty_like(probs), torch.Tensor.exponential_, generators, shared_generator)  # [B, V]
+    noise = draw_rows(torch.empty_like(probs), EXPONENTIAL, generators, shared_generator)  # [B, V]
     # E can round to 0; a tiny floor keeps p / E finite (0 / 0 would be NaN, which argmax prefers).
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)
     return (probs / noise).argmax(dim=-1)
 
 
-def draw_rows(out: torch.Tensor, draw: Callable[..., torch.Tensor], generators: Sequence[torch.Generator | None]
-              | None, shared_generator: torch.Generator | None) -> torch.Tensor:
-    """Fill out [B, ...] in place with draw(tensor, generator=...) (e.g. Tensor.exponential_): row b
-    from generators[b] where it has one, the other rows from shared_generator (drawn for the whole
-    tensor, and only when some row has no generator of its own). -> out."""
-    seeded = [(row, generator) for row, generator in enumerate(generators or ()) if generator is not None]
-    if len(seeded) < out.shape[0]:
-        draw(out, generator=shared_generator)
-    for row, generator in seeded:
-        draw(out[row], generator=generator)
+UNIFORM, EXPONENTIAL = "uniform", "exponential"  # the draws of draw_rows: U(0, 1), Exp(1)
+
+
+def draw_rows(out: torch.Tensor, kind: str, generators: Sequence[RowSource] | None,
+              shared_generator: torch.Generator | None) -> torch.Tensor:
+    """Fill out [B, ...] fp32 in place with `kind` draws (UNIFORM or EXPONENTIAL): row b from
+    generators[b] where it has one, the other rows from shared_generator (drawn for the whole
+    tensor, and only when some row has no generator of its own). The RowGenerator rows draw in one
+    launch and advance their counters by a row's size. -> out."""
+    rows = [(row, g) for row, g in enumerate(generators or ()) if g is not None]
+    if len(rows) < out.shape[0]:
+        _torch_draw(out, kind, shared_generator)
+    streams = []
+    for row, g in rows:
+        if isinstance(g, RowGenerator):
+            streams.append((row, g))
+        else:
+            _torch_draw(out[row], kind, g)
+    if streams:
+        _draw_streams(out, kind == EXPONENTIAL, streams)
     return out
+
+
+def _draw_streams(out: torch.Tensor, exponential: bool, streams: list[tuple[int, RowGenerator]]) -> None:
+    """The rows of out that have a RowGenerator (streams: (row, generator) in row order) in one
+    launch: the Triton kernel on CUDA, its twin elsewhere (a CPU has no launches to save). Each
+    stream advances by a row's size."""
+    width = out[0].numel()
+    offsets = [g.offset for _, g in streams]  # values each stream drew before
+    for _, g in streams:
+        g.offset += width
+    if out.device.type == "cuda":
+        from megactx.kernels import rng
+
+        if len(streams) == 1 and out[streams[0][0]].is_contiguous():  # key and offset as arguments: no copy
+            (row, g), = streams
+            rng.one_row_random(g.key, offsets[0], width, exponential, out[row])
+            return
+        row_random = rng.row_random
+    else:
+        row_random = reference.row_random
+    # [S, 3]: key, values drawn before, row of out: one copy to the device
+    state = to_device(np.array([(g.key, offset, row) for (row, g), offset in zip(streams, offsets)], dtype=np.int64),
+                      out.device)
+    if len(streams) == out.shape[0] and out.is_contiguous():  # every row, in order: straight into out
+        row_random(state[:, 0], state[:, 1], width, exponential, out=out.view(len(streams), width))
+    else:
+        draws = row_random(state[:, 0], state[:, 1], width, exponential)  # [S, width]
+        out.index_copy_(0, state[:, 2], draws.view(len(streams), *out.shape[1:]))
+
+
+def _torch_draw(out: torch.Tensor, kind: str, generator: torch.Generator | None) -> None:
+    if kind == UNIFORM:
+        out.uniform_(generator=generator)
+    elif kind == EXPONENTIAL:
+        out.exponential_(generator=generator)
+    else:
+        raise ValueError(f"kind must be {UNIFORM!r} or {EXPONENTIAL!r}, got {kind!r}")
 
 
 def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: int

@@ -12,7 +12,8 @@ from typing import Literal, NamedTuple
 MAX_LOGPROBS = 20
 # OpenAI's range for presence_penalty and frequency_penalty.
 MAX_ABS_OPENAI_PENALTY = 2.0
-# torch.Generator.manual_seed accepts exactly this range (negative seeds wrap modulo 2**64).
+# The range of a 64-bit seed, as torch.Generator.manual_seed takes it (a request's stream reduces it
+# modulo 2**64, so negative seeds wrap).
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
 
 
@@ -35,8 +36,8 @@ class SamplingParams:
     - `repetition_penalty` (HF/vLLM, > 0, 1 = off) applies to tokens of the prompt and the output;
       `presence_penalty` / `frequency_penalty` (OpenAI, in [-2, 2]) to output tokens only.
     - `logprobs`: None = none; k in 0..20 = the chosen token's logprob plus the k most likely.
-    - `seed`: the request samples from its own generator, so it is reproducible whatever else is
-      in the batch. `n`: completions per prompt (the engine forks the request).
+    - `seed`: the request samples from its own random stream (`sampler.RowGenerator`), so it is
+      reproducible whatever else is in the batch. `n`: completions per prompt (the engine forks the request).
     """
 
     # sampling

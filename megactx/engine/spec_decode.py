@@ -54,6 +54,7 @@ from megactx.config import ModelConfig
 from megactx.engine.model_runner import DeviceTokens
 from megactx.engine.rejection_sampler import draw_uniforms, greedy_verify, rejection_sample
 from megactx.engine.sampler import (
+    RowGenerator,
     SamplingTensors,
     SamplingTensorsCache,
     apply_penalties,
@@ -295,7 +296,7 @@ class SpecDecoder:
     # -------------------------------------------------------------------------- verify
     @torch.inference_mode()
     def verify(self, scheduled: Sequence[ScheduledSeq], hidden: torch.Tensor,
-               generators: Mapping[int, torch.Generator]) -> dict[int, Emitted]:
+               generators: Mapping[int, RowGenerator]) -> dict[int, Emitted]:
         """Accept or reject the drafts of every chunk that samples -> seq_id -> Emitted.
 
         hidden: [T, D] from forward(). generators: seq_id -> the generator of a seeded request."""
@@ -390,7 +391,7 @@ class SpecDecoder:
     # -------------------------------------------------------------------------- propose
     @torch.inference_mode()
     def propose(self, scheduled: Sequence[ScheduledSeq], hidden: torch.Tensor, num_drafts: Mapping[int, int],
-                generators: Mapping[int, torch.Generator]) -> None:
+                generators: Mapping[int, RowGenerator]) -> None:
         """After the scheduler's postprocess(): MTP step 1 over every position the step computed
         (writing the MTP KV), then drafts for the sequences in num_drafts (seq_id -> how many, from
         Scheduler.max_draft_tokens; missing or 0 = none). Drafts the step verified are dropped.
@@ -425,7 +426,7 @@ class SpecDecoder:
             self._draft(plan, step1.index_select(0, last), topk.index_select(0, last))
 
     def _plan(self, members: list[tuple[Seq, int, int]], num_drafts: Mapping[int, int],
-              generators: Mapping[int, torch.Generator]) -> _DraftPlan:
+              generators: Mapping[int, RowGenerator]) -> _DraftPlan:
         """Which of the members (sequence, chunk start, positions computed) draft, and how."""
         which = [m for m, (seq, _, _) in enumerate(members) if num_drafts.get(seq.seq_id, 0) > 0]
         seqs = [members[m][0] for m in which]
@@ -508,7 +509,7 @@ class _DraftPlan:
     steps: list[int]
     greedy: bool  # every draft is an argmax (no sampling between draft steps)
     tensors: SamplingTensors | None  # the drafting requests' sampling settings
-    gens: list[torch.Generator | None]
+    gens: list[RowGenerator | None]
 
 
 # ------------------------------------------------------------------------------ draft graphs
@@ -521,7 +522,8 @@ class DraftGraphs:
     between two draft steps is decided on the host: step 1 and steps 2 .. γ with their argmax are
     one graph (which = "loop"), one launch for the whole draft loop — what speculation at batch 1
     needs, where every eager kernel launch costs more than its work. Sampled drafts go through each
-    request's sampling pipeline and its own torch.Generator between steps, which a graph cannot
+    request's sampling pipeline between steps, drawing from the shared torch.Generator (unseeded
+    requests) or advancing each seeded request's stream on the host, which this graph does not
     replay: then each draft step j is a graph (which = j; per step index, since each reads its own
     row of the per-step metadata uploaded once before step 1), and the sampling runs eagerly between
     replays, writing the token the next graph embeds into a static buffer (no host sync). Step 1

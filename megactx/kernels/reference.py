@@ -248,3 +248,58 @@ def indexer_topk_chunked(q: torch.Tensor, w: torch.Tensor, index_cache: torch.Te
     """Top-k keys of each query row as physical slots [T, k] int32 (-1 = none); see `chunked_topk`."""
     return chunked_topk(indexer_logits, topk_rows, q, w, index_cache, block_table, seq_idx, key_len, k,
                         chunk_tokens, key_len_host)
+
+
+# The counter-based streams of `megactx.kernels.rng` (its module docstring defines the values).
+GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment
+MIX1 = 0xBF58476D1CE4E5B9  # and its finalizer's multipliers
+MIX2 = 0x94D049BB133111EB
+
+
+def mix64(z: int) -> int:
+    """splitmix64's finalizer on a Python int in [0, 2^64)."""
+    mask = (1 << 64) - 1
+    z = ((z ^ (z >> 30)) * MIX1) & mask
+    z = ((z ^ (z >> 27)) * MIX2) & mask
+    return z ^ (z >> 31)
+
+
+def stream_key(seed: int) -> int:
+    """The key of seed's stream as a signed 64-bit value (what the kernels take in an int64 tensor)."""
+    return _signed(mix64(seed % (1 << 64)))
+
+
+def _signed(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _srl(z: torch.Tensor, shift: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's >> is arithmetic)."""
+    return (z >> shift) & ((1 << (64 - shift)) - 1)
+
+
+def check_streams(keys: torch.Tensor, offsets: torch.Tensor, width: int, out: torch.Tensor | None) -> None:
+    """The arguments of row_random (kernel and twin alike), or ValueError."""
+    if keys.dim() != 1 or keys.shape != offsets.shape or keys.dtype != torch.int64 or offsets.dtype != torch.int64:
+        raise ValueError(f"keys and offsets must be int64 [S], got {keys.dtype} {tuple(keys.shape)} and "
+                         f"{offsets.dtype} {tuple(offsets.shape)}")
+    if width < 0:
+        raise ValueError(f"width must be >= 0, got {width}")
+    if out is not None and (out.shape != (keys.shape[0], width) or out.dtype != torch.float32
+                            or not out.is_contiguous() or out.device != keys.device):
+        raise ValueError(f"out must be a contiguous fp32 [{keys.shape[0]}, {width}] tensor on {keys.device}, got "
+                         f"{out.dtype} {tuple(out.shape)} on {out.device}")
+
+
+def row_random(keys: torch.Tensor, offsets: torch.Tensor, width: int, exponential: bool,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """Twin of `megactx.kernels.rng.row_random`: the same bits in int64 torch arithmetic (it wraps)."""
+    check_streams(keys, offsets, width, out)
+    n = offsets[:, None] + torch.arange(1, width + 1, device=keys.device)  # [S, width]
+    z = keys[:, None] + n * _signed(GOLDEN)
+    z = (z ^ _srl(z, 30)) * _signed(MIX1)
+    z = (z ^ _srl(z, 27)) * _signed(MIX2)
+    z = z ^ _srl(z, 31)
+    u = (2 * _srl(z, 41) + 1).float() * 2.0**-24
+    u = -u.log() if exponential else u
+    return u if out is None else out.copy_(u)
