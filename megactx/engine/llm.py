@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import random
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -151,6 +152,8 @@ class LLM:
     warm_up: before the first request, run the step shapes that serving meets (see `warm_up`), so
     that no request waits for a CUDA graph capture or a Triton compile (default: on CUDA).
     step_log: a file that gets a JSON line for every step (megactx.engine.steplog).
+    seed: the random streams of requests without a seed of their own (drawn in arrival order), so a
+    run of the engine is reproducible as a whole.
     """
 
     def __init__(self, model: str | Path | Transformer, *, tokenizer: str | Path | None = None,
@@ -220,7 +223,8 @@ class LLM:
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(seed))
         self.requests: dict[str, _Request] = {}
         self._seqs: dict[int, tuple[_Request, int]] = {}  # seq_id -> (request, completion index)
-        self._generators: dict[int, RowGenerator] = {}
+        self._generators: dict[int, RowGenerator] = {}  # seq_id -> its random stream
+        self._stream_seeds = random.Random(seed)  # the streams of requests without a seed
         self._ids = itertools.count()
         self._sampling = SamplingTensorsCache()
         self._pending: _Pending | None = None  # a step whose tokens are on their way to the host
@@ -331,8 +335,11 @@ class LLM:
         self.requests[request_id] = request
         for i, seq in enumerate(seqs):
             self._seqs[seq.seq_id] = (request, i)
-            if params.seed is not None:  # completion i of a seeded request draws from seed + i
-                self._generators[seq.seq_id] = make_generator(params.seed + i)
+            # completion i of a seeded request draws from seed + i; the others from a seed of the
+            # engine's (every request has a stream: a batch's draws are then one launch, and the
+            # sampled draft loop a graph)
+            stream_seed = params.seed + i if params.seed is not None else self._stream_seeds.getrandbits(64)
+            self._generators[seq.seq_id] = make_generator(stream_seed)
         self.stats.prompt_tokens += len(prompt_ids) * params.n
         return request_id
 

@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from megactx.engine.sampling_params import SamplingParams
 from megactx.kernels import reference
@@ -257,7 +256,8 @@ def process_logits(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tens
             probs = probs.masked_fill(probs < tensors.min_p[:, None] * p_max, 0.0)
     probs = probs / probs.sum(dim=-1, keepdim=True)
     if tensors.any_greedy:
-        one_hot = F.one_hot(logits.argmax(dim=-1), logits.shape[1]).to(probs.dtype)
+        # (a scatter, not F.one_hot: nothing that could read the device on the host inside a CUDA graph)
+        one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
         probs = torch.where(greedy[:, None], one_hot, probs)
     return probs
 
@@ -295,7 +295,11 @@ def sample(probs: torch.Tensor, generators: Sequence[RowSource] | None = None,
     """
     # A seeded row draws exactly V values from its own generator each step, so its noise is the same
     # whether it runs alone or batched.
-    noise = draw_rows(torch.empty_like(probs), EXPONENTIAL, generators, shared_generator)  # [B, V]
+    return race(probs, draw_rows(torch.empty_like(probs), EXPONENTIAL, generators, shared_generator))
+
+
+def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """argmax(p / E) of probs [B, V] with Exp(1) noise [B, V] (overwritten) -> tokens [B] int64."""
     # E can round to 0; a tiny floor keeps p / E finite (0 / 0 would be NaN, which argmax prefers).
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)
     return (probs / noise).argmax(dim=-1)
@@ -332,24 +336,31 @@ def _draw_streams(out: torch.Tensor, exponential: bool, streams: list[tuple[int,
     offsets = [g.offset for _, g in streams]  # values each stream drew before
     for _, g in streams:
         g.offset += width
-    if out.device.type == "cuda":
-        from megactx.kernels import rng
+    if out.device.type == "cuda" and len(streams) == 1 and out[streams[0][0]].is_contiguous():
+        from megactx.kernels.rng import one_row_random
 
-        if len(streams) == 1 and out[streams[0][0]].is_contiguous():  # key and offset as arguments: no copy
-            (row, g), = streams
-            rng.one_row_random(g.key, offsets[0], width, exponential, out[row])
-            return
-        row_random = rng.row_random
-    else:
-        row_random = reference.row_random
+        (row, g), = streams  # key and offset as kernel arguments: no copy to the device
+        one_row_random(g.key, offsets[0], width, exponential, out[row])
+        return
     # [S, 3]: key, values drawn before, row of out: one copy to the device
     state = to_device(np.array([(g.key, offset, row) for (row, g), offset in zip(streams, offsets)], dtype=np.int64),
                       out.device)
     if len(streams) == out.shape[0] and out.is_contiguous():  # every row, in order: straight into out
-        row_random(state[:, 0], state[:, 1], width, exponential, out=out.view(len(streams), width))
+        stream_values(state[:, 0], state[:, 1], width, exponential, out=out.view(len(streams), width))
     else:
-        draws = row_random(state[:, 0], state[:, 1], width, exponential)  # [S, width]
+        draws = stream_values(state[:, 0], state[:, 1], width, exponential)  # [S, width]
         out.index_copy_(0, state[:, 2], draws.view(len(streams), *out.shape[1:]))
+
+
+def stream_values(keys: torch.Tensor, offsets: torch.Tensor, width: int, exponential: bool,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """The next `width` values of streams (keys, offsets [S] int64 on the device; see
+    `megactx.kernels.rng`) -> [S, width] fp32: the Triton kernel on CUDA, its twin elsewhere (a CPU
+    has no launches to save). Reads the counters on the device, so a CUDA graph can replay it."""
+    if keys.device.type == "cuda":
+        from megactx.kernels.rng import row_random
+        return row_random(keys, offsets, width, exponential, out=out)
+    return reference.row_random(keys, offsets, width, exponential, out=out)
 
 
 def _torch_draw(out: torch.Tensor, kind: str, generator: torch.Generator | None) -> None:

@@ -43,6 +43,7 @@ steps as `DraftGraphs` whenever no sequence computed more than γ + 1 positions.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -62,8 +63,11 @@ from megactx.engine.sampler import (
     mask_stop_tokens_before_min,
     pad_token_ids,
     process_logits,
+    race,
     sample,
+    stream_values,
 )
+from megactx.engine.sampling_params import SamplingParams
 from megactx.engine.scheduler import ScheduledSeq
 from megactx.engine.sequence import Sequence as Seq
 from megactx.engine.sequence import SequenceStatus
@@ -513,19 +517,24 @@ class _DraftPlan:
 
 
 # ------------------------------------------------------------------------------ draft graphs
+SETTINGS_FIELDS = ("temperature", "top_k", "top_p", "min_p")  # what process_logits reads of SamplingTensors
+
+
 class DraftGraphs:
     """propose() as graphs: MTP step 1 over the positions each sequence computed, then draft steps
     2 .. γ, for B sequences of at most q = γ + 1 computed positions (so: after a decode step),
     keyed ("draft", batch bucket, key bucket, which) in the runner's `StepGraphs`.
 
-    Granularity. With greedy drafts (greedy requests, or the target-only acceptance) nothing
-    between two draft steps is decided on the host: step 1 and steps 2 .. γ with their argmax are
-    one graph (which = "loop"), one launch for the whole draft loop — what speculation at batch 1
-    needs, where every eager kernel launch costs more than its work. Sampled drafts go through each
-    request's sampling pipeline between steps, drawing from the shared torch.Generator (unseeded
-    requests) or advancing each seeded request's stream on the host, which this graph does not
-    replay: then each draft step j is a graph (which = j; per step index, since each reads its own
-    row of the per-step metadata uploaded once before step 1), and the sampling runs eagerly between
+    Granularity. Nothing between two draft steps is decided on the host, so step 1 and steps
+    2 .. γ are one graph, one launch for the whole draft loop — what speculation at batch 1 needs,
+    where every eager kernel launch costs more than its work: with their argmax for greedy drafts
+    (greedy requests, or the target-only acceptance; which = "loop"), or for sampled drafts with
+    process_logits and the exponential race of `sample` (which = ("sampled", the sampling stages in
+    use)), the noise of draft step j being the next vocabulary of each row's random stream — read
+    from static key and counter buffers, so the replay draws what the eager loop would, and the
+    host advances the streams. Sampled drafts of rows without a stream (a caller's torch.Generator
+    or the shared one) run a graph a draft step (which = j; per step index, since each reads its
+    own row of the per-step metadata uploaded once before step 1), with the sampling eager between
     replays, writing the token the next graph embeds into a static buffer (no host sync). Step 1
     alone (which = 0) also serves a step in which no sequence drafts.
 
@@ -556,6 +565,12 @@ class DraftGraphs:
         self.slots = torch.full((gamma - 1, n), -1, dtype=torch.long, device=dev)
         self.key_len = torch.zeros(gamma - 1, n, dtype=torch.int32, device=dev)
         self.seq_idx = torch.arange(n, dtype=torch.int32, device=dev)
+        # the sampled loop's inputs: each row's random stream and sampling settings (benign on rows that
+        # draft nothing: their tokens are dropped), and the q each draft was drawn from; at first use
+        self.keys = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.offsets = torch.zeros(n, dtype=torch.int64, device=dev)  # values each stream drew before the loop
+        self.settings: SamplingTensors | None = None
+        self.probs: torch.Tensor | None = None  # [n, γ, V] fp32
 
     def run(self, members: list[tuple[Seq, int, int]], hidden: torch.Tensor, rows: list[int],
             plan: _DraftPlan) -> bool:
@@ -576,9 +591,12 @@ class DraftGraphs:
         if buckets is None:
             return False
         bs, keys = buckets
-        loop = bool(plan.seqs) and plan.greedy
+        # one graph for the whole loop when drafts are argmaxes, or sampled from streams (every request
+        # has one in the engine); a draft step a graph otherwise
+        sampled_loop = bool(plan.seqs) and not plan.greedy and all(isinstance(g, RowGenerator) for g in plan.gens)
+        loop = bool(plan.seqs) and plan.greedy or sampled_loop
         # capture first: a capture clears the static inputs
-        which = ["loop"] if loop else list(range(max(plan.steps, default=1)))
+        which = [self._loop_key(plan)] if loop else list(range(max(plan.steps, default=1)))
         graphs = [self.graphs.captured(("draft", bs, keys, w), lambda w=w: self._build(bs, keys, w), self._clear)
                   for w in which]
 
@@ -605,6 +623,11 @@ class DraftGraphs:
             graphs[0].replay()
             return True
         member_rows = to_device(plan.members, device)
+        if sampled_loop:
+            self._fill_streams(plan, bs, member_rows)
+            graphs[0].replay()
+            self.spec._keep(plan, self.tokens.index_select(0, member_rows), self.probs.index_select(0, member_rows))
+            return True
         if loop:
             graphs[0].replay()
             self.spec._keep(plan, self.tokens.index_select(0, member_rows), None)
@@ -623,21 +646,68 @@ class DraftGraphs:
         self.spec._keep(plan, tokens, probs)
         return True
 
+    @staticmethod
+    def _loop_key(plan: _DraftPlan) -> str | tuple:
+        """The loop graph of a plan: "loop" for argmax drafts; for sampled ones, one graph for each
+        set of the sampling stages the drafting requests use (process_logits' host flags)."""
+        if plan.greedy:
+            return "loop"
+        t = plan.tensors
+        return ("sampled", t.any_greedy, t.any_top_k, t.any_top_p, t.any_min_p)
+
+    def _fill_streams(self, plan: _DraftPlan, bs: int, member_rows: torch.Tensor) -> None:
+        """The sampled loop's inputs for the drafting sequences' rows: streams (then advanced on the
+        host by the values the eager loop would draw: a vocabulary a draft step) and settings."""
+        keys, offsets = torch.zeros(bs, dtype=torch.int64), torch.zeros(bs, dtype=torch.int64)
+        for m, g, k in zip(plan.members, plan.gens, plan.steps):
+            keys[m], offsets[m] = g.key, g.offset
+            g.offset += k * self.spec.vocab_size
+        copy_from_host_(self.keys[:bs], keys)
+        copy_from_host_(self.offsets[:bs], offsets)
+        for name in SETTINGS_FIELDS:
+            getattr(self.settings, name).index_copy_(0, member_rows, getattr(plan.tensors, name))
+
     def _clear(self) -> None:
         self.batch.clear()
         self.slots.fill_(-1)
         self.key_len.zero_()
 
-    def _build(self, bs: int, max_keys: int, which: int | str) -> Callable[[], torch.Tensor | None]:
-        if which != "loop":
+    def _sampling_buffers(self) -> None:
+        """The sampled loop's static settings (temperature 1, no truncation until filled) and q buffer."""
+        if self.probs is not None:
+            return
+        n, dev, vocab = self.graphs.max_num_seqs, self.runner.device, self.spec.vocab_size
+        self.settings = SamplingTensors.from_params([SamplingParams()] * n, dev, vocab)
+        self.probs = torch.zeros(n, self.gamma, vocab, device=dev)
+
+    def _build(self, bs: int, max_keys: int, which: int | str | tuple) -> Callable[[], torch.Tensor | None]:
+        if isinstance(which, int):
             return self._step(bs, max_keys, which)
         steps = [self._step(bs, max_keys, j) for j in range(self.gamma)]
+        if which == "loop":
+            def loop() -> None:
+                for j, step in enumerate(steps):
+                    self.tokens[:bs, j].copy_(step().argmax(dim=-1))
 
-        def loop() -> None:
+            return loop
+
+        # sampled drafts: process_logits and the exponential race of `sample`, the noise of draft
+        # step j being the next vocabulary of each row's stream, as the eager loop draws it
+        self._sampling_buffers()
+        _, any_greedy, any_top_k, any_top_p, any_min_p = which
+        rows = {name: getattr(self.settings, name)[:bs] for name in SETTINGS_FIELDS}  # views: filled before replays
+        settings = dataclasses.replace(self.settings, **rows, any_greedy=any_greedy, any_top_k=any_top_k,
+                                       any_top_p=any_top_p, any_min_p=any_min_p, all_greedy=False)
+        vocab, keys, offsets = self.spec.vocab_size, self.keys[:bs], self.offsets[:bs]
+
+        def sampled_loop() -> None:
             for j, step in enumerate(steps):
-                self.tokens[:bs, j].copy_(step().argmax(dim=-1))
+                q = process_logits(step(), settings)
+                noise = stream_values(keys, offsets + j * vocab, vocab, exponential=True)
+                self.tokens[:bs, j].copy_(race(q, noise))
+                self.probs[:bs, j].copy_(q)
 
-        return loop
+        return sampled_loop
 
     def _step(self, bs: int, max_keys: int, j: int) -> Callable[[], torch.Tensor]:
         """Draft step j + 1 over the first bs rows -> its draft logits [bs, V] fp32."""
