@@ -49,6 +49,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from megactx.config import ModelConfig
@@ -274,6 +275,7 @@ class SpecDecoder:
         self.stats = SpecDecodeStats(config.num_speculative_tokens)
         self._graphs: DraftGraphs | None = None
         self._verify_sampling, self._draft_sampling = SamplingTensorsCache(), SamplingTensorsCache()
+        self._positions: tuple[SamplingTensors, int, SamplingTensors] | None = None  # see _per_position
 
     def draft_lengths(self) -> dict[int, int]:
         """seq_id -> draft tokens held (what Scheduler.schedule takes)."""
@@ -324,7 +326,7 @@ class SpecDecoder:
         seqs = [item.seq for item, _ in chunks]
         tensors = self._verify_sampling.get(seqs, device, vocab, self.eos_token_ids)
         if not tensors.all_greedy or tensors.any_min_tokens or tensors.any_penalties:  # a row a position
-            tensors = tensors.select(torch.arange(bsz, device=device).repeat_interleave(width + 1))
+            tensors = self._per_position(tensors, width)
         processed = raw
         if tensors.any_min_tokens or tensors.any_penalties:
             # position j of a verify comes after drafts 1 .. j: they count as output there (on the host: waits
@@ -373,6 +375,15 @@ class SpecDecoder:
             emitted[seq.seq_id] = Emitted(tokens[b][: accepted[b] + 1], k, accepted[b],
                                           logprobs[b] if logprobs is not None else None)
         return emitted
+
+    def _per_position(self, tensors: SamplingTensors, width: int) -> SamplingTensors:
+        """tensors (a row a sequence) with a row a verified position: each sequence's row K + 1 times.
+        Kept while the batch and K stay (most steps): the gathers would be a launch a field a step."""
+        cached = self._positions
+        if cached is None or cached[0] is not tensors or cached[1] != width:
+            rows = torch.arange(len(tensors.temperature), device=tensors.temperature.device)
+            cached = self._positions = (tensors, width, tensors.select(rows.repeat_interleave(width + 1)))
+        return cached[2]
 
     def _draft_probs(self, chunks: list[tuple[ScheduledSeq, int]], width: int) -> torch.Tensor | None:
         """q of the drafts being verified, [B, K, V] (one-hot rows for drafts picked
@@ -571,6 +582,7 @@ class DraftGraphs:
         self.offsets = torch.zeros(n, dtype=torch.int64, device=dev)  # values each stream drew before the loop
         self.settings: SamplingTensors | None = None
         self.probs: torch.Tensor | None = None  # [n, γ, V] fp32
+        self._filled: tuple[SamplingTensors, list[int]] | None = None  # whose keys and settings the rows hold
 
     def run(self, members: list[tuple[Seq, int, int]], hidden: torch.Tensor, rows: list[int],
             plan: _DraftPlan) -> bool:
@@ -657,15 +669,21 @@ class DraftGraphs:
 
     def _fill_streams(self, plan: _DraftPlan, bs: int, member_rows: torch.Tensor) -> None:
         """The sampled loop's inputs for the drafting sequences' rows: streams (then advanced on the
-        host by the values the eager loop would draw: a vocabulary a draft step) and settings."""
-        keys, offsets = torch.zeros(bs, dtype=torch.int64), torch.zeros(bs, dtype=torch.int64)
-        for m, g, k in zip(plan.members, plan.gens, plan.steps):
-            keys[m], offsets[m] = g.key, g.offset
+        host by the values the eager loop would draw: a vocabulary a draft step) and settings. Keys
+        and settings are those of the last loop while the drafting requests stay (most steps)."""
+        offsets = np.zeros(bs, dtype=np.int64)
+        offsets[plan.members] = [g.offset for g in plan.gens]
+        for g, k in zip(plan.gens, plan.steps):
             g.offset += k * self.spec.vocab_size
-        copy_from_host_(self.keys[:bs], keys)
-        copy_from_host_(self.offsets[:bs], offsets)
+        copy_from_host_(self.offsets[:bs], torch.from_numpy(offsets))
+        if self._filled is not None and self._filled[0] is plan.tensors and self._filled[1] == plan.members:
+            return
+        keys = np.zeros(bs, dtype=np.int64)
+        keys[plan.members] = [g.key for g in plan.gens]
+        copy_from_host_(self.keys[:bs], torch.from_numpy(keys))
         for name in SETTINGS_FIELDS:
             getattr(self.settings, name).index_copy_(0, member_rows, getattr(plan.tensors, name))
+        self._filled = (plan.tensors, list(plan.members))
 
     def _clear(self) -> None:
         self.batch.clear()
