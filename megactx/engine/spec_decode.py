@@ -173,7 +173,8 @@ class Draft:
     device_tokens: torch.Tensor
     probs: torch.Tensor | None = None
     host: HostCopy | None = None  # the drafting's copy of its [B, steps] tokens to the host
-    row: int = 0  # this draft's row in it
+    row: int = 0  # this draft's row in it, and in all_probs
+    all_probs: torch.Tensor | None = None  # [B, steps, V]: the q of every sequence of the drafting
 
     @property
     def num_tokens(self) -> int:
@@ -391,6 +392,10 @@ class SpecDecoder:
         held = [self.drafts[item.seq.seq_id] if item.num_draft_tokens else None for item, _ in chunks]
         if not any(d is not None and d.probs is not None for d in held):
             return None
+        whole = held[0].all_probs if held[0] is not None else None
+        if (whole is not None and whole.shape[0] == len(held) and whole.shape[1] >= width
+                and all(d is not None and d.all_probs is whole and d.row == b for b, d in enumerate(held))):
+            return whole[:, :width]  # the verify's batch is the drafting's, in order (most steps): no copies
         device = self.runner.device
         q = torch.zeros(len(chunks), width, self.vocab_size, device=device)
         for b, ((item, _), draft) in enumerate(zip(chunks, held)):
@@ -502,7 +507,7 @@ class SpecDecoder:
         sync: the next verify reads them on the device; their host copy travels meanwhile."""
         host = HostCopy(tokens)
         for b, (seq, k) in enumerate(zip(plan.seqs, plan.steps)):
-            self.drafts[seq.seq_id] = Draft(tokens[b, :k], None if probs is None else probs[b, :k], host, b)
+            self.drafts[seq.seq_id] = Draft(tokens[b, :k], None if probs is None else probs[b, :k], host, b, probs)
 
     def _draft_graphs(self) -> DraftGraphs | None:
         """The draft graphs over the runner's graphs (None: the runner runs eagerly)."""
