@@ -42,10 +42,13 @@ from megactx.engine.block_manager import BlockManager
 from megactx.engine.model_runner import CacheConfig, DeviceTokens, ModelRunner, plan_num_blocks
 from megactx.engine.outputs import CompletionOutput, Delta, EngineStats, RequestOutput, TokenLogprobs
 from megactx.engine.sampler import (
+    EXPONENTIAL,
+    UNIFORM,
     RowGenerator,
     Sampler,
     SamplingBatch,
     SamplingTensorsCache,
+    draw_rows,
     make_generator,
     pad_token_ids,
 )
@@ -224,6 +227,7 @@ class LLM:
         self.requests: dict[str, _Request] = {}
         self._seqs: dict[int, tuple[_Request, int]] = {}  # seq_id -> (request, completion index)
         self._generators: dict[int, RowGenerator] = {}  # seq_id -> its random stream
+        self._seed = seed
         self._stream_seeds = random.Random(seed)  # the streams of requests without a seed
         self._ids = itertools.count()
         self._sampling = SamplingTensorsCache()
@@ -291,6 +295,12 @@ class LLM:
             while self.has_unfinished():
                 self.step()
         self.block_manager.reset_prefix_cache()
+        if self.device.type == "cuda":  # the random streams' kernels compile now, not at the first sampled request
+            for kind in (UNIFORM, EXPONENTIAL):
+                for rows in (1, 2):
+                    draw_rows(torch.empty(rows, self.cfg.vocab_size, device=self.device), kind,
+                              [make_generator(row) for row in range(rows)], None)
+        self._stream_seeds = random.Random(self._seed)  # the warm-up's requests took none of the requests' streams
         spec_stats = self.stats.spec_decode
         if spec_stats is not None:
             vars(spec_stats).update(vars(SpecDecodeStats(spec_stats.num_speculative_tokens)))
