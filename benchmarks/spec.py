@@ -11,7 +11,8 @@ rung of the published GLM ablation ladder:
 target-only: greedy drafts, each accepted with probability p(x) under the target; rejection: drafts
 sampled from the MTP distribution q, accepted with probability min(1, p/q). Both need sampling
 (--temperature > 0): at temperature 0 every rung accepts greedily, and +IndexShare+KVShare and
-+rejection sampling coincide.
++rejection sampling coincide. Greedy decoding is timed on its own beside the ladder (unless
+--no-greedy): at batch 1, no speculation and the top rung at every γ, both at temperature 0.
 
 MTP layer: the ladder is also a training ladder. With --mtp-layers DIR every rung runs on the
 checkpoint with the MTP layer its training rung produced, DIR/<MTP layer>.safetensors (CE without
@@ -101,6 +102,7 @@ RESULTS_DIR = Path(__file__).parent / "results"
 TARGET_SPEEDUP = 2.0  # output tokens/s with speculation >= 2x without ...
 TARGET_SPEEDUP_BATCH = 1  # ... at this batch
 NO_SPEC = "no speculation"
+GREEDY = "greedy: "  # prefix of the rung names of the greedy runs ("greedy: no speculation", ...)
 PUBLISHED_GAMMA = 7  # the published ablation's γ (7 MTP steps in training and inference)
 RANDOM_WEIGHTS_NOTE = "random weights: acceptance lengths are meaningless"
 
@@ -159,6 +161,7 @@ class Settings:
     threads: int | None = None  # torch intra-op threads (None: torch's default; a CPU run uses 1)
     data_dir: str | None = None
     mtp_layers: str | None = None  # directory of MTP-layer files: run MTP_LAYER_RUNGS instead of RUNGS
+    greedy: bool = True  # also time greedy decoding at batch TARGET_SPEEDUP_BATCH (no speculation, top rung)
 
     @property
     def rungs(self) -> tuple[Rung, ...]:
@@ -428,12 +431,14 @@ class SpecBench:
                    max_num_seqs=max(self.s.batches), num_blocks=num_blocks, seed=self.s.seed,
                    warm_up=False, **spec)  # every measurement has an untimed run of its own shape first
 
-    def measure(self, llm, gamma: int, rung: Rung | None, batch: int) -> SpecFigures:
-        """One warm-up and `reps` timed runs of `batch` prompts on one engine."""
+    def measure(self, llm, gamma: int, rung: Rung | None, batch: int, greedy: bool = False) -> SpecFigures:
+        """One warm-up and `reps` timed runs of `batch` prompts on one engine (at temperature 0 and
+        named GREEDY + the rung with greedy)."""
         from megactx import SamplingParams
 
         s = self.s
-        params = [SamplingParams(temperature=s.temperature, max_tokens=n, ignore_eos=True, seed=s.seed + i)
+        temperature = 0.0 if greedy else s.temperature
+        params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=s.seed + i)
                   for n in (s.warmup_len, s.output_len) for i in range(batch)]
         llm.generate(self.prompts(batch, 0), params[:batch], use_tqdm=False)
         walls, stats, tokens = [], [], 0
@@ -450,8 +455,9 @@ class SpecBench:
             raise RuntimeError(f"{tokens} tokens generated in {s.reps} runs of {batch} requests, asked for "
                                f"{s.output_len} a request")
         counts = sum_draft_stats(stats, gamma) if rung else {}
-        return SpecFigures(rung.name if rung else NO_SPEC, gamma, batch, batch * s.output_len,
-                           statistics.median(walls), **counts, detail={"walls_s": walls})
+        name = (GREEDY if greedy else "") + (rung.name if rung else NO_SPEC)
+        return SpecFigures(name, gamma, batch, batch * s.output_len, statistics.median(walls), **counts,
+                           detail={"walls_s": walls})
 
     def run(self, after_part: Callable[[dict[str, Any]], object] | None = None) -> dict[str, Any]:
         start, threads = time.perf_counter(), torch.get_num_threads()
@@ -459,13 +465,15 @@ class SpecBench:
             torch.set_num_threads(self.s.threads)
         try:
             self.results["ceilings"] = measure_machine_ceilings(self.s.device)  # beside the engines, same run
-            engines = [(0, None)] + [(g, r) for r in self.rungs for g in self.s.gammas]
-            for gamma, rung in engines:
-                name = f"{rung.name} γ={gamma}" if rung else NO_SPEC
+            engines = [(0, None, False)] + [(g, r, False) for r in self.rungs for g in self.s.gammas]
+            if self.s.greedy:
+                engines += [(0, None, True)] + [(g, self.rungs[-1], True) for g in self.s.gammas]
+            for gamma, rung, greedy in engines:
+                name = (GREEDY if greedy else "") + (f"{rung.name} γ={gamma}" if rung else NO_SPEC)
                 try:
                     llm = self.engine(gamma, rung)
-                    for batch in self.s.batches:
-                        f = self.measure(llm, gamma, rung, batch)
+                    for batch in [TARGET_SPEEDUP_BATCH] if greedy else self.s.batches:
+                        f = self.measure(llm, gamma, rung, batch, greedy)
                         self.results["runs"].append(f.to_dict())
                         self.progress.log(f"{name:<28} batch {batch:3d}: {fmt_num(f.tokens_per_s):>8} tokens/s, "
                                           f"acceptance length {fmt_num(f.mean_acceptance_length)}")
@@ -496,8 +504,8 @@ def _find(results: dict[str, Any], rung: str, gamma: int, batch: int) -> SpecFig
 
 
 def speedup(results: dict[str, Any], f: SpecFigures) -> float | None:
-    """f's output tokens/s over no speculation's at the same batch (None without that run)."""
-    base = _find(results, NO_SPEC, 0, f.batch)
+    """f's output tokens/s over no speculation's at the same batch and temperature (None without that run)."""
+    base = _find(results, (GREEDY if f.rung.startswith(GREEDY) else "") + NO_SPEC, 0, f.batch)
     return f.tokens_per_s / base.tokens_per_s if base else None
 
 
@@ -605,6 +613,19 @@ def render_markdown(results: dict[str, Any], targets: list[dict[str, Any]]) -> s
         heads = [f"{rung.name} {what}" for rung in rungs for what in ("acc. len", "tokens/s", "speed-up")]
         out.append(md_table(["γ", *heads], rows))
 
+    greedy_runs = [f for f in _runs(results) if f.rung.startswith(GREEDY) and f.gamma]
+    if greedy_runs:
+        b = TARGET_SPEEDUP_BATCH
+        base = _find(results, GREEDY + NO_SPEC, 0, b)
+        out.append(f"\n## Greedy decoding, batch {b}\n")
+        out.append(f"Temperature 0 (every rung accepts greedily: drafts are the MTP argmax, kept while they equal "
+                   f"the target's), {rungs[-1].name}'s MTP layer. No speculation: "
+                   f"{fmt_num(base.tokens_per_s) if base else '–'} output tokens/s.\n")
+        rows = [[f.gamma, fmt_num(f.mean_acceptance_length), fmt_num(f.tokens_per_s),
+                 f"{r:.2f}x" if (r := speedup(results, f)) else "–"]
+                for f in sorted(greedy_runs, key=lambda f: f.gamma)]
+        out.append(md_table(["γ", "acc. len", "tokens/s", "speed-up"], rows))
+
     out.append(f"\n## Acceptance rate per draft position (γ = {gamma})\n")
     rows = [[rung.name, b, _rates(f)] for rung in rungs for b in s["batches"]
             if (f := _find(results, rung.name, gamma, b))]
@@ -707,6 +728,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature, > 0 (default 1.0)")
     p.add_argument("--reps", type=int, default=None, help="timed runs of every engine and batch (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and of the sampling (default 0)")
+    p.add_argument("--no-greedy", dest="greedy", action="store_false",
+                   help="skip the greedy runs (temperature 0, batch 1: no speculation and the top rung at every γ)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: 1 on a CPU, torch's own on a GPU)")
     p.add_argument("--from-json", type=Path, default=None, metavar="FILE",
@@ -722,7 +745,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     for name in ("gammas", "batches", "prompt_len", "output_len", "reps", "threads", "data_dir", "mtp_layers"):
         if getattr(args, name) is not None:
             setattr(s, name, getattr(args, name))
-    s.temperature, s.seed = args.temperature, args.seed
+    s.temperature, s.seed, s.greedy = args.temperature, args.seed, getattr(args, "greedy", True)
     if s.data_dir is not None and not Path(s.data_dir).is_dir():
         raise ValueError(f"--data-dir {s.data_dir} is not a directory; prepare one with python -m megactx.train.data")
     if s.mtp_layers is not None and not Path(s.mtp_layers).is_dir():

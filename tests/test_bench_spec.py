@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 import megactx
 from benchmarks.spec import (
+    GREEDY,
     MTP_LAYER_RUNGS,
     NO_SPEC,
     RUNGS,
@@ -65,18 +66,22 @@ def _args(model: Path, out: Path, *extra: str, gammas=GAMMAS, batches=BATCHES) -
             str(OUTPUT_LEN), "--out", str(out), *extra]
 
 
-def _check_bookkeeping(results: dict, gammas, batches, output_len: int, rungs=RUNGS) -> None:
-    """Every engine ran at every batch, and its draft counts obey the acceptance bookkeeping."""
+def _check_bookkeeping(results: dict, gammas, batches, output_len: int, rungs=RUNGS, greedy=True) -> None:
+    """Every engine ran at every batch (and the greedy runs at batch 1: no speculation and the top
+    rung), and its draft counts obey the acceptance bookkeeping."""
     assert results["skipped"] == []
     runs = {(d["rung"], d["gamma"], d["batch"]): SpecFigures.from_dict(d) for d in results["runs"]}
     want = {(NO_SPEC, 0, b) for b in batches} | {(r.name, g, b) for r in rungs for g in gammas for b in batches}
+    if greedy:
+        want |= {(GREEDY + NO_SPEC, 0, 1)} | {(GREEDY + rungs[-1].name, g, 1) for g in gammas}
     assert set(runs) == want
     for (rung, gamma, batch), f in runs.items():
         assert f.output_tokens == batch * output_len and f.tokens_per_s == pytest.approx(f.output_tokens / f.wall_s)
-        if rung == NO_SPEC:
+        if rung.removeprefix(GREEDY) == NO_SPEC:
             assert f.num_drafts == 0 and f.mean_acceptance_length is None
             continue
-        assert speedup(results, f) == pytest.approx(f.tokens_per_s / runs[NO_SPEC, 0, batch].tokens_per_s)
+        base = runs[(GREEDY if rung.startswith(GREEDY) else "") + NO_SPEC, 0, batch]
+        assert speedup(results, f) == pytest.approx(f.tokens_per_s / base.tokens_per_s)
         # every decoding step after the prefill's token verifies one draft a request, and emits at
         # least the token after the accepted drafts: no more drafts than tokens after the first
         assert batch <= f.num_drafts <= batch * (output_len - 1)
@@ -104,7 +109,7 @@ def test_smoke_run_measures_every_rung_and_writes_the_reports(ckpt, tmp_path, ca
     md = (tmp_path / "spec-cpu.md").read_text()
     assert "4.56" in md and "5.10" in md and "5.29" in md and "5.47" in md  # the published ladder beside ours
     assert "not measured without --mtp-layers" in md  # the TV rung: its published figure only
-    assert "## Batch 2" in md and "CPU run" in md
+    assert "## Batch 2" in md and "CPU run" in md and "## Greedy decoding, batch 1" in md
     assert len(evaluate_targets(results)) == len(RUNGS)  # the speed-up, and each rung over the one below
 
 
@@ -183,10 +188,12 @@ def test_mtp_layers_measure_four_rungs_each_on_the_mtp_layer_of_its_training_run
     assert not any(_same(own, files[a]) or (a != b and _same(files[a], files[b])) for a in files for b in files)
     want = [(0, None, None, own)] + [(2, r.mtp_mode, r.draft_acceptance, files[s])
                                      for r, s in zip(MTP_LAYER_RUNGS, stems)]
+    top = MTP_LAYER_RUNGS[-1]  # then the greedy runs: no speculation, the top rung
+    want += [(0, None, None, own), (2, top.mtp_mode, top.draft_acceptance, files["mtp-tv-share"])]
     assert len(engines) == len(want)
     for (gamma, mode, acceptance, weights, _), (g, m, a, w) in zip(engines, want):
         assert (gamma, mode, acceptance) == (g, m, a) and _same(weights, w)
-    assert [share for *_, share in engines[1:]] == [False, True, True, True]  # the files' config flag too
+    assert [share for *_, share in engines[1:5]] == [False, True, True, True]  # the files' config flag too
 
     targets = evaluate_targets(results)  # the speed-up of the TV rung, and three rung-over-rung pairs
     assert len(targets) == 4 and targets[0]["target"].startswith(TV_LOSS_RUNG.name)
