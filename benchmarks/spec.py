@@ -745,7 +745,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     for name in ("gammas", "batches", "prompt_len", "output_len", "reps", "threads", "data_dir", "mtp_layers"):
         if getattr(args, name) is not None:
             setattr(s, name, getattr(args, name))
-    s.temperature, s.seed, s.greedy = args.temperature, args.seed, getattr(args, "greedy", True)
+    s.temperature, s.seed, s.greedy = args.temperature, args.seed, args.greedy
     if s.data_dir is not None and not Path(s.data_dir).is_dir():
         raise ValueError(f"--data-dir {s.data_dir} is not a directory; prepare one with python -m megactx.train.data")
     if s.mtp_layers is not None and not Path(s.mtp_layers).is_dir():

@@ -611,7 +611,7 @@ class DraftGraphs:
         # one graph for the whole loop when drafts are argmaxes, or sampled from streams (every request
         # has one in the engine); a draft step a graph otherwise
         sampled_loop = bool(plan.seqs) and not plan.greedy and all(isinstance(g, RowGenerator) for g in plan.gens)
-        loop = bool(plan.seqs) and plan.greedy or sampled_loop
+        loop = sampled_loop or (plan.greedy and bool(plan.seqs))
         # capture first: a capture clears the static inputs
         which = [self._loop_key(plan)] if loop else list(range(max(plan.steps, default=1)))
         graphs = [self.graphs.captured(("draft", bs, keys, w), lambda w=w: self._build(bs, keys, w), self._clear)

@@ -443,7 +443,7 @@ class TopkConfig:
     # scan), 1024-element tiles beat 2048 / 4096 / 8192 on 4096 x 128K causal (1.90 / 2.00 / 3.02 /
     # 3.86 ms; the fused plan 3.38) and on 1024 x 128K (0.57 / 0.61 / 0.86 / 1.03; fused 0.91).
     FUSED = MappingProxyType(dict(block=4096, sub_block=2048, max_tile=8192, num_warps=8))
-    SPLIT = MappingProxyType(dict(block=1024, sub_block=512, max_tile=4096, num_warps=4))
+    SPLIT = MappingProxyType(dict(block=1024, max_tile=4096, num_warps=4))  # no sub_block: its collect has no scan
     PROGRAMS_PER_SM = 4
     MIN_SEGMENT = 16384  # elements a program of the split plan, at the least
     # Programs a row once rows are long enough for two segments, however many rows: the split plan's
@@ -509,7 +509,8 @@ class TopkPlan:
         for name in ("block", "sub_block", "max_tile", "tile_pivots", "row_pivots"):
             if knobs.get(name, getattr(cfg, name)) is not None:
                 _pow2(name, knobs.get(name, getattr(cfg, name)))
-        block, sub_block = knobs["block"], min(knobs["sub_block"], knobs["block"])
+        block = knobs["block"]
+        sub_block = min(knobs.get("sub_block", block), block)
         seg_groups = groups // split
         return TopkPlan(cap=cap, cap_pad=triton.next_power_of_2(cap), groups=groups, split=split, seg_groups=seg_groups,
                         rows=max(1, knobs["max_tile"] // seg_groups), block=block, sub_block=sub_block,
