@@ -418,10 +418,12 @@ class KernelBench:
 
         def prepare(picked: list[tuple[int, int]]) -> Callable[[], None]:
             slots = [self._prefill_slots(bt, s, e) for s, e in picked]
+            # each row's key count, as the model passes it: the kernel skips the tiles past a short row's keys
+            key_len = [torch.arange(s + 1, e + 1, dtype=torch.int32, device=self.dev) for s, e in picked]
 
             def run() -> None:
-                for (s, e), sl in zip(picked, slots):
-                    self.k.sparse_mla(q[: e - s], cache, sl, g.softmax_scale, g.kv_lora_rank)
+                for (s, e), sl, n in zip(picked, slots, key_len):
+                    self.k.sparse_mla(q[: e - s], cache, sl, g.softmax_scale, g.kv_lora_rank, n)
             return run
 
         gathered = sparse_keys(0, L, g.topk) * g.kv_row_bytes(fp8)
@@ -466,9 +468,10 @@ class KernelBench:
         cache = random_kv_cache(pool, g.kv_lora_rank, g.rope_dim, fp8, self.gen)
         slots = logical_to_slots(bt, torch.arange(B, dtype=torch.int32, device=self.dev), pos).int()
         q = self._randn(B, g.heads, g.kv_lora_rank + g.rope_dim)
+        key_len = torch.full((B,), L, dtype=torch.int32, device=self.dev)  # as the model passes it
         detail = {"batch": B, "pool_blocks": pool, "shared_blocks": pool < B * nb}
         self._timed(f"sparse_mla.decode.{'fp8' if fp8 else 'bf16'}", L,
-                    lambda: self.k.sparse_mla(q, cache, slots, g.softmax_scale, g.kv_lora_rank),
+                    lambda: self.k.sparse_mla(q, cache, slots, g.softmax_scale, g.kv_lora_rank, key_len),
                     g.sparse_flops(keys), keys * row, "bf16_mm", detail, graph=True)
         if not fp8:
             flat = cache.view(-1, g.kv_lora_rank + g.rope_dim)

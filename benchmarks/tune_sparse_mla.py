@@ -301,10 +301,11 @@ def meets_target(case: Case, row: Row) -> str:
 
 # ------------------------------------------------------------------------------------- static
 def compile_static(kernel: str, fp8: bool, block_h: int, block_n: int, num_stages: int, num_warps: int,
-                   rank: int = RANK, rope: int = ROPE):
+                   rank: int = RANK, rope: int = ROPE, has_len: bool = False):
     """Compile a candidate for sm_90 without a GPU (ptxas ships with Triton) and return Triton's
-    compiled kernel (`.metadata.shared` bytes, `.asm["cubin"]`, ...). Uses Triton's internal compile
-    API (ASTSource, GluonASTSource), so it may need adjusting on other Triton versions."""
+    compiled kernel (`.metadata.shared` bytes, `.asm["cubin"]`, ...); has_len: with a topk_len. Uses
+    Triton's internal compile API (ASTSource, GluonASTSource), so it may need adjusting on other
+    Triton versions."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -313,9 +314,9 @@ def compile_static(kernel: str, fp8: bool, block_h: int, block_n: int, num_stage
 
     group = reference.SCALE_GROUP
     pointers = {"q_ptr": "*bf16", "kv_ptr": "*u8" if fp8 else "*bf16", "kv_f32_ptr": "*fp32" if fp8 else "*bf16",
-                "kv_bf16_ptr": "*bf16", "slots_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32"}
+                "kv_bf16_ptr": "*bf16", "slots_ptr": "*i32", "len_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32"}
     constants = {"R": rank, "DR": rope, "BLOCK_H": block_h, "BLOCK_N": block_n, "PAGE": reference.BLOCK_SIZE,
-                 "GROUP": group, "FP8": fp8}
+                 "GROUP": group, "FP8": fp8, "HAS_LEN": has_len}
     if kernel == "sm90":
         fn, source = kernels._sparse_mla_fwd_sm90, GluonASTSource
         constants |= {"NUM_BUF": num_stages, "num_warps": num_warps}

@@ -85,13 +85,15 @@ def _torch_at_precision(q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: tor
 
 
 def _check_against_twin(q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor, softmax_scale: float,
-                        r: int, atol: float = 1e-5, **launch) -> None:
-    out, lse = sparse_mla(q, kv_cache, topk_slots, softmax_scale, r, **launch)
+                        r: int, atol: float = 1e-5, topk_len: torch.Tensor | None = None, **launch) -> None:
+    out, lse = sparse_mla(q, kv_cache, topk_slots, softmax_scale, r, topk_len, **launch)
     T, H, _ = q.shape
     assert out.shape == (T, H, r) and out.dtype == q.dtype
     assert lse.shape == (T, H) and lse.dtype == torch.float32
 
-    ref_out, ref_lse = reference.sparse_mla(q.float(), kv_cache, topk_slots, softmax_scale, r)  # fp32
+    ref_out, ref_lse = reference.sparse_mla(q.float(), kv_cache, topk_slots, softmax_scale, r, topk_len)  # fp32
+    if topk_len is not None:  # the slots a token reads: its first topk_len, the rest as -1
+        topk_slots = _truncate(topk_slots, topk_len)
     low = torch.float32 if torch.float32 in (q.dtype, kv_cache.dtype) else torch.bfloat16
     pt_out, pt_lse = _torch_at_precision(q, kv_cache, topk_slots, softmax_scale, r, low)
 
@@ -164,6 +166,35 @@ def test_sparse_mla_empty_batch_and_empty_topk():
     assert out.shape == (0, 2, 128) and lse.shape == (0, 2)
     out, lse = sparse_mla(q, cache, slots[:, :0], scale, 128)
     assert torch.all(out == 0) and torch.all(lse == float("-inf"))
+
+
+def _truncate(slots: torch.Tensor, topk_len: torch.Tensor) -> torch.Tensor:
+    """slots with every entry at or past topk_len[t] of its row t set to -1."""
+    cols = torch.arange(slots.shape[1], device=slots.device)
+    return torch.where(cols[None, :] < topk_len[:, None], slots, -1)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_sparse_mla_topk_len_reads_only_leading_slots(num_splits):
+    # Valid slots scattered through every row (row 0 empty, row 2 half empty): a token with
+    # topk_len n reads its first n slots only (0, within a tile, at a tile edge, past K), the
+    # same as the slots with the rest set to -1; with split-K some splits lie wholly past n.
+    q, cache, slots, scale = _paged_case(6, 16, 128, 32, 100, fp8=False, context=130, seed=41,
+                                         q_dtype=torch.float32, cache_dtype=torch.float32)
+    topk_len = torch.tensor([5, 0, 17, 32, 70, 300], dtype=torch.int32)
+    _check_against_twin(q, cache, slots, scale, 128, topk_len=topk_len, block_n=16, num_splits=num_splits)
+    out, lse = sparse_mla(q, cache, slots, scale, 128, topk_len, block_n=16, num_splits=num_splits)
+    out_m, lse_m = sparse_mla(q, cache, _truncate(slots, topk_len), scale, 128, block_n=16, num_splits=num_splits)
+    # skipped tiles would only have added exp2(-inf) = 0 terms: the same result to the last bit
+    assert torch.equal(out, out_m) and torch.equal(lse, lse_m)
+    assert torch.all(lse[1] == float("-inf")) and torch.all(out[1] == 0)
+
+
+def test_sparse_mla_rejects_a_bad_topk_len():
+    q, cache, slots, scale = _paged_case(3, 2, 128, 32, 8, fp8=False)
+    for bad in (torch.ones(2, dtype=torch.int32), torch.ones(3, dtype=torch.int64)):
+        with pytest.raises(ValueError, match="topk_len must be"):
+            sparse_mla(q, cache, slots, scale, 128, bad)
 
 
 # ------------------------------------------------------------------------------ split-K (flash-decoding)
@@ -310,12 +341,12 @@ def test_sparse_mla_pipeline_configs_glm52(block_n, num_stages, fp8):
 # ------------------------------------------------------------------------------ the Hopper kernel (kernel="sm90")
 def test_sm90_kernel_builds_for_hopper_within_shared_memory():
     # Any machine: compile the Gluon kernel for sm_90 at GLM-5.2 geometry (ptxas ships with Triton),
-    # with a bf16 and an FP8 cache. Its shared memory must be what `sm90_smem_bytes` (the
-    # eligibility check) predicts, and fit. In a subprocess: the interpreter that conftest turns on
-    # without a GPU cannot compile for a device.
+    # with a bf16 and an FP8 cache, the FP8 one with a topk_len. Its shared memory must be what
+    # `sm90_smem_bytes` (the eligibility check) predicts, and fit. In a subprocess: the interpreter
+    # that conftest turns on without a GPU cannot compile for a device.
     code = ("import json; from benchmarks.tune_sparse_mla import compile_static; "
-            f"print(json.dumps([compile_static('sm90', fp8, {SM90_BLOCK_H}, 64, 2, {SM90_WARPS}, rank=512, rope=64)"
-            ".metadata.shared for fp8 in (False, True)]))")
+            f"print(json.dumps([compile_static('sm90', fp8, {SM90_BLOCK_H}, 64, 2, {SM90_WARPS}, rank=512, rope=64,"
+            " has_len=fp8).metadata.shared for fp8 in (False, True)]))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parents[1])
@@ -394,6 +425,26 @@ def test_sm90_pipeline_configs_glm52(block_n, num_stages, fp8):
     q, cache, slots, scale = _paged_case(64, 64, 512, 64, 2048, fp8=fp8, context=4096, device="cuda", seed=56)
     _check_against_twin(q, cache, slots, scale, 512, block_n=block_n, num_stages=num_stages, num_splits=1,
                         kernel="sm90")
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("kernel", ["sm90", "triton"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_topk_len_glm52(num_splits, fp8, kernel):
+    # A causal prefill near K: token t at position p has p + 1 keys, its valid slots listed first;
+    # topk_len = p + 1 skips the tiles past them. Rows from empty to past K, some mid-tile.
+    T, K = 64, 2048
+    q, cache, slots, scale = _paged_case(T, 64, 512, 64, K, fp8=fp8, context=4096, device="cuda", seed=58)
+    positions = torch.linspace(0, 2 * K, T, device="cuda").int()
+    positions[0] = -1  # no keys at all
+    topk_len = positions + 1
+    slots = _truncate(slots, topk_len)  # what an indexer's top-k would hold
+    _check_against_twin(q, cache, slots, scale, 512, topk_len=topk_len, num_splits=num_splits, kernel=kernel)
+    out, lse = sparse_mla(q, cache, slots, scale, 512, topk_len, num_splits=num_splits, kernel=kernel)
+    out_all, lse_all = sparse_mla(q, cache, slots, scale, 512, num_splits=num_splits, kernel=kernel)
+    assert torch.equal(out, out_all) and torch.equal(lse, lse_all)
 
 
 @pytest.mark.gpu

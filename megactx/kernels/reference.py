@@ -121,14 +121,17 @@ def read_index_k(index_cache: torch.Tensor, slots: torch.Tensor, index_dim: int)
 
 # ------------------------------------------------------------------------------ sparse MLA
 def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor, softmax_scale: float,
-               kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+               kv_lora_rank: int, topk_len: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed-form sparse MLA: each query token attends to its own top-k slots only.
 
     q: [T, H, r + dr] (latent-space query ‖ roped query), kv_cache: paged (bf16 or FP8 layout),
     topk_slots: [T, K] int slots, -1 = none. Keys are the cached rows [r + dr], values their first
-    r entries. Returns out [T, H, r] in q's dtype and lse [T, H] fp32 (natural log of the softmax
+    r entries. topk_len: [T] or None, token t reads only its first topk_len[t] slots (the rest count
+    as -1). Returns out [T, H, r] in q's dtype and lse [T, H] fp32 (natural log of the softmax
     denominator over scaled scores); a row with no valid slot gives out 0 and lse -inf."""
     valid = topk_slots >= 0  # [T, K]
+    if topk_len is not None:
+        valid &= torch.arange(topk_slots.shape[1], device=valid.device) < topk_len[:, None]
     kv = read_kv(kv_cache, topk_slots.clamp_min(0), kv_lora_rank)  # [T, K, r + dr] fp32
     scores = torch.einsum("thd,tkd->thk", q.float(), kv) * softmax_scale
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))

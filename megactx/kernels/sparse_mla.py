@@ -138,7 +138,7 @@ def _dequant(lat, scale, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, GROUP: tl
 # value 1 keeps split and unsplit launches on one compiled kernel.
 @triton.jit(do_not_specialize=["num_head_blocks", "num_splits"])
 def _sparse_mla_fwd(
-    q_ptr, kv_ptr, kv_f32_ptr, kv_bf16_ptr, slots_ptr, out_ptr, lse_ptr,
+    q_ptr, kv_ptr, kv_f32_ptr, kv_bf16_ptr, slots_ptr, len_ptr, out_ptr, lse_ptr,
     qk_scale,  # softmax_scale * log2(e): scores go straight to the base-2 domain
     H, K, split_len, num_head_blocks, num_splits,
     stride_qt, stride_qh, stride_st,
@@ -147,7 +147,7 @@ def _sparse_mla_fwd(
     stride_kb, stride_ks,  # cache strides of a block and of a slot, in bytes for FP8, else in elements
     R: tl.constexpr, DR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
-    FP8: tl.constexpr, DOT_F32: tl.constexpr,
+    FP8: tl.constexpr, DOT_F32: tl.constexpr, HAS_LEN: tl.constexpr,
 ):
     # Program order: head block fastest, then split, then token (see the module docstring).
     pid = tl.program_id(0)
@@ -173,9 +173,11 @@ def _sparse_mla_fwd(
         q_lat = q_lat.to(tl.bfloat16)
         q_pe = q_pe.to(tl.bfloat16)
 
-    # This split's key range: whole tiles, the last split ends at K.
+    # This split's key range: whole tiles, the last split ends at K (or at the token's topk_len).
     k_lo = split * split_len
     k_hi = tl.minimum(K, k_lo + split_len)
+    if HAS_LEN:
+        k_hi = tl.maximum(k_lo, tl.minimum(k_hi, tl.load(len_ptr + t)))
     slot_row = slots_ptr + t * stride_st
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max of scores (base 2)
     l_i = tl.zeros([BLOCK_H], tl.float32)  # running softmax denominator
@@ -316,14 +318,14 @@ def _ring_slots(ring, tile, k_lo, k_hi, BLOCK_N: gl.constexpr, RING: gl.constexp
 # num_splits and num_head_blocks only enter the program-id arithmetic (as in `_sparse_mla_fwd`).
 @gluon.jit(do_not_specialize=["num_head_blocks", "num_splits"])
 def _sparse_mla_fwd_sm90(
-    q_ptr, kv_ptr, kv_f32_ptr, kv_bf16_ptr, slots_ptr, out_ptr, lse_ptr,
+    q_ptr, kv_ptr, kv_f32_ptr, kv_bf16_ptr, slots_ptr, len_ptr, out_ptr, lse_ptr,
     qk_scale, H, K, split_len, num_head_blocks, num_splits,
     stride_qt, stride_qh, stride_st,
     stride_ot, stride_os, stride_oh,
     stride_lt, stride_ls,
     stride_kb, stride_ks,
     R: gl.constexpr, DR: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
-    PAGE: gl.constexpr, GROUP: gl.constexpr, FP8: gl.constexpr, num_warps: gl.constexpr,
+    PAGE: gl.constexpr, GROUP: gl.constexpr, FP8: gl.constexpr, HAS_LEN: gl.constexpr, num_warps: gl.constexpr,
 ):
     """`_sparse_mla_fwd`'s contract (same arguments but for the tiling constants; bf16 q, r and dr
     powers of two, NUM_BUF >= 2) for sm_90, pipelined by hand.
@@ -379,10 +381,12 @@ def _sparse_mla_fwd_sm90(
     _async_load(q_lat_smem, q_row + h_lat[:, None] * stride_qh + r_lat[None, :], mask=(h_lat < H)[:, None])
     _async_load(q_pe_smem, q_row + h_pe[:, None] * stride_qh + R + r_pe[None, :], mask=(h_pe < H)[:, None])
 
-    # This split's key range: whole tiles, the last split ends at K. Tiles past it read as all -1
-    # (zero-filled, no traffic), so short splits need no special case.
+    # This split's key range: whole tiles, the last split ends at K (or at the token's topk_len).
+    # Tiles past it read as all -1 (zero-filled, no traffic), so short splits need no special case.
     k_lo = split * split_len
     k_hi = gl.minimum(K, k_lo + split_len)
+    if HAS_LEN:
+        k_hi = gl.maximum(k_lo, gl.minimum(k_hi, gl.load(len_ptr + t)))
     n_tiles = gl.cdiv(k_hi - k_lo, BLOCK_N)
     slot_row = slots_ptr + t * stride_st
     offs_vec = gl.arange(0, BLOCK_N, layout=VEC_COPY)
@@ -580,7 +584,8 @@ def _launch_config(num_heads: int, topk: int, block_r: int, fp8: bool, kernel: s
 
 
 def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor, softmax_scale: float,
-               kv_lora_rank: int, *, block_h: int | None = None, block_n: int | None = None,
+               kv_lora_rank: int, topk_len: torch.Tensor | None = None, *, block_h: int | None = None,
+               block_n: int | None = None,
                num_warps: int | None = None, num_stages: int | None = None,
                num_splits: int | None = None, kernel: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed-form sparse MLA: each query token attends to its own top-k slots only.
@@ -589,7 +594,11 @@ def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor
     [num_blocks, 64, r + dr] bf16/fp32, or the FP8 layout [num_blocks, 64, r + 4 r/128 + 2 dr] uint8
     (see `megactx.kernels.reference`); topk_slots: [T, K] int32/int64 physical slots
     (block * 64 + offset), -1 = none; slots must lie inside the cache (not checked: it would sync).
-    softmax_scale multiplies q·k; kv_lora_rank is r.
+    softmax_scale multiplies q·k; kv_lora_rank is r. topk_len: [T] int32, optional: token t reads
+    only its first topk_len[t] slots, the rest count as -1. A top-k lists a row's valid slots
+    first, so a causal query at position p passes p + 1 (its key count; min(p + 1, K) are valid):
+    the tiles of slots that cannot be valid are skipped, not computed on zeros (prefill of
+    contexts near K, FlashMLA's topk_length).
     Returns out [T, H, r] in q's dtype and lse [T, H] fp32 (natural log of the softmax denominator
     over scaled scores); a row with no valid slot gives out 0 and lse -inf.
 
@@ -631,6 +640,10 @@ def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor
     if not (q.device == kv_cache.device == topk_slots.device):
         raise ValueError(f"q, kv_cache and topk_slots must share a device, got {q.device}, {kv_cache.device}, "
                          f"{topk_slots.device}")
+    if topk_len is not None and (topk_len.shape != (q.shape[0],) or topk_len.dtype != torch.int32
+                                 or topk_len.device != q.device):
+        raise ValueError(f"topk_len must be [T] int32 on {q.device} with T = {q.shape[0]}, got shape "
+                         f"{tuple(topk_len.shape)}, {topk_len.dtype} on {topk_len.device}")
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1 (1 = no split-K), got {num_splits}")
     for name, value in (("block_h", block_h), ("block_n", block_n)):
@@ -690,7 +703,7 @@ def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor
         dst_lse = torch.empty(T, splits, H, dtype=torch.float32, device=q.device)
     else:
         dst, dst_lse = out.unsqueeze(1), lse.unsqueeze(1)
-    args = (q, kv_cache, kv_f32, kv_bf16, topk_slots, dst, dst_lse,
+    args = (q, kv_cache, kv_f32, kv_bf16, topk_slots, topk_slots if topk_len is None else topk_len, dst, dst_lse,
             softmax_scale * _LOG2E,
             H, K, split_len, head_blocks, splits,
             q.stride(0), q.stride(1), topk_slots.stride(0),
@@ -700,13 +713,13 @@ def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor
     if kernel == "sm90":
         _sparse_mla_fwd_sm90[grid](*args, R=r, DR=dr, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
                                    NUM_BUF=cfg.num_stages, PAGE=BLOCK_SIZE, GROUP=SCALE_GROUP, FP8=fp8,
-                                   num_warps=cfg.num_warps)
+                                   HAS_LEN=topk_len is not None, num_warps=cfg.num_warps)
     else:
         _sparse_mla_fwd[grid](
             *args,
             R=r, DR=dr, BLOCK_R=block_r, BLOCK_DR=block_dr, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
             PAGE=BLOCK_SIZE, GROUP=SCALE_GROUP, NG=max(1, block_r // SCALE_GROUP), FP8=fp8,
-            DOT_F32=INTERPRET or torch.float32 in (q.dtype, kv_cache.dtype),
+            DOT_F32=INTERPRET or torch.float32 in (q.dtype, kv_cache.dtype), HAS_LEN=topk_len is not None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     if splits > 1:

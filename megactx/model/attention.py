@@ -290,6 +290,9 @@ class MLA(nn.Module):
         q = torch.cat([q_lat, q_pe[0]], dim=-1)  # [T, H, r + dr]
         if q.dtype not in (torch.float32, torch.bfloat16):
             q = q.to(torch.bfloat16)
-        out, _ = ops.sparse_mla(q, cache.kv, topk, self.softmax_scale, self.r)  # [T, H, r]
+        # A row's key count bounds its top-k's valid slots (listed first): the kernel skips the rest.
+        # Without write_kv (KVShare draft steps) the batch only names the sequences: no bound.
+        out, _ = ops.sparse_mla(q, cache.kv, topk, self.softmax_scale, self.r,
+                                batch.key_len if write_kv else None)  # [T, H, r]
         out = torch.einsum("shr,hvr->shv", out.to(x.dtype), w_uv)  # [T, H, dv]
         return self.o_proj(out.reshape(1, out.shape[0], -1)), topk

@@ -39,7 +39,7 @@ class KernelOps:
 
     write_kv: Callable  # (c, k_pe, slots, kv_cache, index_k, index_cache) -> None
     indexer_topk: Callable  # (q, w, index_cache, block_table, seq_idx, key_len, k, chunk_tokens, key_len_host)
-    sparse_mla: Callable  # (q, kv_cache, topk_slots, softmax_scale, kv_lora_rank) -> (out, lse)
+    sparse_mla: Callable  # (q, kv_cache, topk_slots, softmax_scale, kv_lora_rank, topk_len) -> (out, lse)
     rope: Callable = rope_first  # (x, cos, sin, interleave, rope_dims=None) -> roped copy of x
 
 
