@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megactx import LLM, ModelConfig, SamplingParams
-from megactx.engine.model_runner import EagerCapture, StaticBatch, StepGraphs
+from megactx.engine.model_runner import DeviceTokens, EagerCapture, StaticBatch, StepGraphs
 from megactx.model import build_model
 from megactx.model.paged import host_block_table
 
@@ -307,8 +307,7 @@ def test_static_batch_ragged_rows_of_prefill_chunks_and_decodes():
 def test_static_batch_rows_past_each_sequence_are_padding():
     """Token i of sequence b sits in row b·q + i; every other row sees no key and writes nothing."""
     batch = StaticBatch(max_seqs=4, q=3, max_blocks=4, device=torch.device("cpu"))
-    table = host_block_table([[5, 2], [7]], 3)  # batch bucket 3: sequence 2 is padding
-    rows = batch.fill(table, [63, 10], [[11, 12, 13], [14]])
+    rows = batch.fill(3, [[5, 2], [7]], [63, 10], [[11, 12, 13], [14]])  # batch bucket 3: sequence 2 is padding
     view = batch.view(3, 128)
     assert rows == [0, 1, 2, 3]
     assert batch.input_ids[:9].tolist() == [11, 12, 13, 14, 0, 0, 0, 0, 0]
@@ -317,10 +316,25 @@ def test_static_batch_rows_past_each_sequence_are_padding():
     assert view.key_len.tolist() == [64, 65, 66, 11, 0, 0, 0, 0, 0]
     assert view.seq_idx.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     assert view.block_table[:2, :2].tolist() == [[5, 2], [7, 0]] and view.key_len_host.tolist() == [128] * 9
-    batch.fill(host_block_table([[3]], 2), [0], [[9]])  # the next step: one sequence of one token
+    batch.fill(2, [[3]], [0], [[9]])  # the next step: one sequence of one token
     assert batch.view(2, 64).slots.tolist() == [3 * 64, -1, -1, -1, -1, -1]
+    assert set(batch.slots[6:].tolist()) == {-1} and set(batch.key_len[6:].tolist()) == {0}  # past the bucket
     batch.clear()
     assert batch.view(4, 64).key_len.tolist() == [0] * 12 and set(batch.slots.tolist()) == {-1}
+
+
+def test_static_batch_puts_device_tokens_in_their_rows_and_sends_block_tables_when_they_change():
+    batch = StaticBatch(max_seqs=2, q=3, max_blocks=4, device=torch.device("cpu"))
+    # sequence 0: a token then two on the device; sequence 1: a token then one on the device
+    tokens = DeviceTokens([1, 2, 4], torch.tensor([21, 22, 23]))
+    rows = batch.fill(2, [[5], [7, 8]], [3, 70], [[11, 0, 0], [12, 0]], device_tokens=tokens)
+    assert rows == [0, 1, 2, 3, 4] and batch.input_ids.tolist() == [11, 21, 22, 12, 23, 0]
+    assert batch.block_table[:2, :2].tolist() == [[5, 0], [7, 8]]
+    batch.block_table[1, 0] = 99  # (a marker) the same tables again: no copy
+    batch.fill(2, [[5], [7, 8]], [4, 71], [[11], [12]])
+    assert batch.block_table[:2, :2].tolist() == [[5, 0], [99, 8]]
+    batch.fill(2, [[5], [7, 8, 9]], [4, 128], [[11], [12]])  # sequence 1 took a block
+    assert batch.block_table[:2, :3].tolist() == [[5, 0, 0], [7, 8, 9]]
 
 
 def test_eager_capture_replays_into_the_captured_outputs():

@@ -7,13 +7,23 @@ over shuffled physical blocks, with exact and FP8 caches."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from hf_models import CASES, hf_model
 from megactx import ModelConfig, load_model
 from megactx.model import build_model
-from megactx.model.paged import PagedBatch, PagedLayerCache, alloc_caches, copy_from_host_, kernel_ops, to_device
+from megactx.model.paged import (
+    PagedBatch,
+    PagedLayerCache,
+    StagedBuffers,
+    alloc_caches,
+    copy_from_host_,
+    kernel_ops,
+    to_device,
+    to_device_packed,
+)
 from megactx.model.quant import quantize_rows
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -180,6 +190,41 @@ def test_host_copies_land_intact():
     assert torch.equal(to_device(t, "cpu"), t)
     dst = torch.zeros(1000, dtype=torch.long)
     assert torch.equal(copy_from_host_(dst, t), t)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_packed_host_arrays_land_intact(device):
+    """One copy of arrays of mixed dtypes and shapes (empty ones too) gives each back as it was."""
+    arrays = [np.arange(5, dtype=np.int64), np.arange(6, dtype=np.int32).reshape(2, 3), np.zeros(0, np.int64),
+              np.array([[0.5, -1.0]], dtype=np.float32), np.array([-1, 2**40], dtype=np.int64)]
+    got = to_device_packed(arrays, device)
+    assert [t.dtype for t in got] == [torch.int64, torch.int32, torch.int64, torch.float32, torch.int64]
+    assert all(t.device.type == device and t.tolist() == a.tolist() for t, a in zip(got, arrays))
+
+
+def test_staged_buffers_send_what_the_host_twin_holds():
+    buffers = StagedBuffers({"a": ((2, 3), torch.long), "b": ((5,), torch.int32)}, "cpu")
+    host = buffers.host()
+    host["a"][:] = [[1, 2, 3], [4, 5, 6]]
+    host["b"][1:3] = -7
+    buffers.send()
+    assert buffers.device["a"].tolist() == [[1, 2, 3], [4, 5, 6]] and buffers.device["b"].tolist() == [0, -7, -7, 0, 0]
+    assert buffers.device["b"].dtype == torch.int32
+    buffers.host()["b"][0] = 9  # the device keeps what was sent until the next send
+    assert buffers.device["b"].tolist() == [0, -7, -7, 0, 0]
+
+
+@pytest.mark.gpu
+def test_staged_buffers_are_not_overwritten_before_their_copy_runs():
+    """send() queues the copy without waiting; host() waits for it before the twin may change."""
+    buffers = StagedBuffers({"x": ((1000,), torch.long)}, "cuda")
+    buffers.host()["x"][:] = 1
+    torch.cuda.synchronize()
+    torch.cuda._sleep(500_000_000)  # a kernel that spins for a few hundred ms
+    buffers.send()  # queued behind the spin
+    assert not torch.cuda.current_stream().query()  # send() did not wait for it
+    buffers.host()["x"][:] = 2  # waits for the copy
+    assert buffers.device["x"].tolist() == [1] * 1000
 
 
 @pytest.mark.gpu

@@ -53,6 +53,36 @@ def test_greedy_verify_keeps_the_matching_prefix_then_the_target_token():
     assert result.tokens.tolist() == [[5, 6, 7, 8], [5, 6, P, P], [5, P, P, P], [5, 6, P, P], [5, P, P, P]]
 
 
+def test_no_num_drafts_means_every_row_verifies_all_of_them():
+    gen = torch.Generator().manual_seed(4)
+    target = torch.randint(0, 3, (64, 4), generator=gen)
+    drafts = torch.randint(0, 3, (64, 3), generator=gen)
+    want, got = greedy_verify(target, drafts, torch.full((64,), 3)), greedy_verify(target, drafts)
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.num_accepted, want.num_accepted)
+    p = random_dists(gen, 64 * 4, 6).view(64, 4, 6)
+    q = random_dists(gen, 64 * 3, 6).view(64, 3, 6)
+    u = torch.rand(64, 3, generator=gen)
+    for draft_probs in (q, None):
+        want = rejection_sample(p, drafts, draft_probs, torch.full((64,), 3), u,
+                                shared_generator=torch.Generator().manual_seed(5))
+        got = rejection_sample(p, drafts, draft_probs, None, u, shared_generator=torch.Generator().manual_seed(5))
+        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.num_accepted, want.num_accepted)
+        assert 0 < want.num_accepted.sum() < 64 * 3
+
+
+def test_deterministic_drafts_are_the_one_hot_case_exactly():
+    """draft_probs None draws what explicit one-hot q draws, token for token (same noise)."""
+    gen = torch.Generator().manual_seed(6)
+    p = random_dists(gen, 64 * 4, 6).view(64, 4, 6)
+    drafts = torch.randint(0, 6, (64, 3), generator=gen)
+    one_hot = torch.zeros(64, 3, 6).scatter_(2, drafts[..., None], 1.0)
+    num_drafts, u = torch.randint(0, 4, (64,), generator=gen), torch.rand(64, 3, generator=gen)
+    want = rejection_sample(p, drafts, one_hot, num_drafts, u, shared_generator=torch.Generator().manual_seed(7))
+    got = rejection_sample(p, drafts, None, num_drafts, u, shared_generator=torch.Generator().manual_seed(7))
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.num_accepted, want.num_accepted)
+    assert (want.num_accepted < num_drafts).any()  # some rows sampled a replacement
+
+
 # ------------------------------------------------------------------------------ the formula
 def test_a_draft_is_accepted_iff_u_times_q_is_below_p():
     # draft 0: p/q = 0.5/0.8 = 0.625. Residual max(p - q, 0) = [0, 0.3, 0, 0]: the replacement is 1.

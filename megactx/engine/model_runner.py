@@ -56,6 +56,7 @@ from megactx.kernels.reference import BLOCK_SIZE
 from megactx.model.paged import (
     PagedBatch,
     PagedLayerCache,
+    StagedBuffers,
     alloc_caches,
     cache_bytes_per_token,
     copy_from_host_,
@@ -311,24 +312,36 @@ class StaticBatch:
     padding rows (key_len 0, slot -1: they see no keys and write nothing).
 
     A fill runs every step on the host: it builds the rows in Python lists (per sequence, with
-    C-speed list extends: a decode step is 64 rows, a prefill chunk one range), packs them with
-    numpy, and sends them in one copy per dtype (the per-row buffers are rows of one tensor)."""
+    C-speed list extends: a decode step is 64 rows, a prefill chunk one range), writes them with
+    numpy into the pinned host twin of the buffers (`StagedBuffers`: every per-row buffer, and the
+    `extra` ones a caller asks for, are fields of one block of device memory), and sends it in one
+    copy. The block table has a copy of its own, made only when a sequence's table changed (once
+    in 64 tokens)."""
 
-    def __init__(self, max_seqs: int, q: int, max_blocks: int, device: torch.device, rows: int | None = None):
+    def __init__(self, max_seqs: int, q: int, max_blocks: int, device: torch.device, rows: int | None = None,
+                 extra: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None):
         """rows: a ragged batch of that many rows (fill_ragged), where q = 1 and a sequence's tokens
-        are consecutive rows, however many; else max_seqs · q rows of q a sequence (fill)."""
+        are consecutive rows, however many; else max_seqs · q rows of q a sequence (fill). extra:
+        more static buffers, name -> (shape, dtype), sent with each fill (`buffers`: see fill)."""
         n = rows or max_seqs * q
         self.q = q
         self.ragged = rows is not None
-        self._rows64 = torch.zeros(3, n, dtype=torch.long, device=device)  # token, position, slot of each row
-        self._rows32 = torch.zeros(2, n, dtype=torch.int32, device=device)  # sequence, key count of each row
+        self.buffers = StagedBuffers({
+            "rows64": ((3, n), torch.long),  # token, position, slot of each row
+            "rows32": ((2, n), torch.int32),  # sequence, key count of each row
+            "put": ((n,), torch.long),  # rows of the tokens fill() puts in place from the device
+            **(extra or {})}, device)
+        self._rows64, self._rows32 = self.buffers.device["rows64"], self.buffers.device["rows32"]
         self.input_ids, self.positions, self.slots = self._rows64  # [n] views
         self.seq_idx, self.key_len = self._rows32
-        self.slots.fill_(-1)
+        host = self.buffers.host()
+        host["rows64"][2] = -1
         if not self.ragged:
-            self.seq_idx.copy_(torch.arange(max_seqs, dtype=torch.int32).repeat_interleave(q))
+            host["rows32"][0] = np.repeat(np.arange(max_seqs, dtype=np.int32), q)
+        self.buffers.send()
         self.sample_rows = torch.zeros(max_seqs, dtype=torch.long, device=device)  # ragged: rows that sample
         self.block_table = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, device=device)
+        self._tables: list[list[int]] | None = None  # what block_table's first rows hold (fill)
 
     def view(self, bsz: int, max_keys: int, rows: int | None = None) -> PagedBatch:
         """The metadata of the first bsz sequences' rows (ragged: of the first `rows` rows); max_keys
@@ -344,28 +357,45 @@ class StaticBatch:
         self.key_len.zero_()
         self.sample_rows.zero_()  # a smaller row bucket's graph must not index past its rows
 
-    def fill(self, table: torch.Tensor, starts: Sequence[int], token_ids: Sequence[Sequence[int]]) -> list[int]:
+    def fill(self, bsz: int, tables: Sequence[Sequence[int]], starts: Sequence[int],
+             token_ids: Sequence[Sequence[int]], device_tokens: DeviceTokens | None = None) -> list[int]:
         """Sequence b < len(starts) computes positions starts[b] .. starts[b] + len(token_ids[b]) - 1
-        (1 to q tokens) over its physical blocks table[b] (host [bsz, W] int32, see host_block_table);
-        sequences len(starts) .. bsz - 1 are padding. -> the rows of the sequences' tokens, in
-        order: row b·q + i holds token i of sequence b."""
-        bsz, q = table.shape[0], self.q
+        (1 to q tokens) over its physical blocks tables[b]; sequences len(starts) .. bsz - 1 (the
+        batch bucket) are padding, and so is every row past them. device_tokens: the tokens still on
+        the device, put in their rows after the copy. -> the rows of the sequences' tokens, in
+        order: row b·q + i holds token i of sequence b.
+
+        The copy sends the whole host twin: a caller that fills `extra` buffers writes them into
+        `buffers.host()` before the fill, and reads them on the device after it."""
+        q = self.q
         m = bsz * q
         ids, pos, slots, key_len = [0] * m, [0] * m, [-1] * m, [0] * m
         rows: list[int] = []
-        for b, (start, toks, blocks) in enumerate(zip(starts, token_ids, table.tolist())):
-            n, first = len(toks), b * q
-            assert n <= q, f"a sequence computes more than q = {q} positions"
-            ids[first : first + n] = toks
-            pos[first : first + n] = range(start, start + n)
-            pos[first + n : first + q] = [start] * (q - n)  # padding rows sit at their sequence's start
-            slots[first : first + n] = slots_of_range(blocks, start, n)
-            key_len[first : first + n] = range(start + 1, start + n + 1)
-            rows.extend(range(first, first + n))
-        copy_from_host_(self._rows64[:, :m], torch.from_numpy(np.array((ids, pos, slots), dtype=np.int64)))
-        copy_from_host_(self.key_len[:m], torch.from_numpy(np.array(key_len, dtype=np.int32)))
-        # columns past the longest table keep older entries: no row reads past its key_len
-        copy_from_host_(self.block_table[:bsz, : table.shape[1]], table)
+        for b, (start, toks, blocks) in enumerate(zip(starts, token_ids, tables)):
+            k, first = len(toks), b * q
+            assert k <= q, f"a sequence computes more than q = {q} positions"
+            ids[first : first + k] = toks
+            pos[first : first + k] = range(start, start + k)
+            pos[first + k : first + q] = [start] * (q - k)  # padding rows sit at their sequence's start
+            slots[first : first + k] = slots_of_range(blocks, start, k)
+            key_len[first : first + k] = range(start + 1, start + k + 1)
+            rows.extend(range(first, first + k))
+        host = self.buffers.host()
+        rows64, key_lens = host["rows64"], host["rows32"][1]
+        rows64[:, :m] = (ids, pos, slots)
+        key_lens[:m] = key_len
+        rows64[:2, m:], rows64[2, m:], key_lens[m:] = 0, -1, 0  # the rows past the bucket are padding too
+        if device_tokens is not None:
+            at = [rows[p] for p in device_tokens.positions]
+            host["put"][: len(at)] = at
+        self.buffers.send()
+        if device_tokens is not None:
+            self.input_ids.index_copy_(0, self.buffers.device["put"][: len(at)], device_tokens.values)
+        if tables != self._tables:
+            # columns past the longest table keep older entries: no row reads past its key_len
+            table = host_block_table(tables, len(tables))
+            copy_from_host_(self.block_table[: len(tables), : table.shape[1]], table)
+            self._tables = [list(t) for t in tables]
         return rows
 
     def fill_ragged(self, table: torch.Tensor, starts: Sequence[int], token_ids: Sequence[Sequence[int]],
@@ -436,10 +466,12 @@ class StepGraphs:
         keys = next((k for k in self.key_buckets if k >= max_keys), None)
         return None if bs is None or keys is None else (bs, keys)
 
-    def static_batch(self, name: str, q: int, rows: int | None = None) -> StaticBatch:
-        """The static inputs named `name` (one set per use, allocated at first use; rows: ragged)."""
+    def static_batch(self, name: str, q: int, rows: int | None = None,
+                     extra: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None) -> StaticBatch:
+        """The static inputs named `name` (one set per use, allocated at first use; rows: ragged;
+        extra: more static buffers sent with each fill, see StaticBatch)."""
         if name not in self._batches:
-            self._batches[name] = StaticBatch(self.max_num_seqs, q, self.max_blocks, self.runner.device, rows)
+            self._batches[name] = StaticBatch(self.max_num_seqs, q, self.max_blocks, self.runner.device, rows, extra)
         return self._batches[name]
 
     def output(self, name: str, rows: int, width: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -449,6 +481,13 @@ class StepGraphs:
         if name not in self._outputs:
             self._outputs[name] = torch.zeros(self.max_num_seqs, width, dtype=dtype, device=self.runner.device)
         return self._outputs[name][:rows]
+
+    def hidden_rows(self, q: int) -> torch.Tensor:
+        """The static buffer [max_num_seqs · q, D] that the "verify" graphs of q rows a sequence write
+        their hidden states into (spec_decode.DraftGraphs reads them there)."""
+        cfg = self.runner.cfg
+        return self.output(f"hidden-{q}", self.max_num_seqs, q * cfg.hidden_size, self.runner.model.dtype).view(
+            -1, cfg.hidden_size)
 
     def captured(self, key: tuple, build: Callable[[], Callable[[], Any]], clear: Callable[[], None]) -> Graph:
         """The graph of `key`, captured now from build()'s function if it is new; clear() makes
@@ -468,7 +507,9 @@ class StepGraphs:
         q = 1 and logits out; "verify": final-normed hidden states out) -> logits [T, V] fp32 or
         hidden [T, D] of the T = Σ len(token_ids[b]) tokens in order: what the eager forward of
         the same flattened batch returns, up to summation order; None when no bucket fits (run
-        eagerly). Logits are a view of a static buffer: read them before the next replay."""
+        eagerly). For q > 1 the hidden states of the graph's rows instead, [bs·q, D] for the batch
+        bucket bs: token i of sequence b at row b·q + i (StaticBatch.fill), padding rows after each
+        sequence's tokens. Outputs are views of a static buffer: read them before the next replay."""
         buckets = self.bucket(len(tables), max(s + len(ids) for s, ids in zip(starts, token_ids)))
         if buckets is None:
             return None
@@ -476,13 +517,9 @@ class StepGraphs:
         batch = self.static_batch(kind, q)
         graph = self.captured((kind, bs, max_keys), lambda: self._target(batch, bs, max_keys, kind == "decode"),
                               batch.clear)
-        rows = batch.fill(host_block_table(tables, bs), starts, token_ids)
-        if device_tokens is not None:
-            device_tokens.put(batch.input_ids, rows)
+        batch.fill(bs, tables, starts, token_ids, device_tokens)
         graph.replay()
-        if q == 1:
-            return graph.outputs[: len(tables)]
-        return graph.outputs.index_select(0, to_device(rows, self.runner.device))
+        return graph.outputs[: len(tables)] if q == 1 else graph.outputs
 
     @torch.inference_mode()
     def forward_mixed(self, tables: Sequence[Sequence[int]], starts: Sequence[int],
@@ -524,9 +561,7 @@ class StepGraphs:
         paged = batch.view(bs, max_keys)
         layers = self.runner.layer_caches(paged)
         rows = bs * batch.q
-        cfg = self.runner.cfg
-        out = (self.output("logits", bs, cfg.vocab_size) if logits  # decode: q = 1
-               else self.output(f"hidden-{batch.q}", bs, batch.q * cfg.hidden_size, model.dtype).view(rows, -1))
+        out = self.output("logits", bs, self.runner.cfg.vocab_size) if logits else self.hidden_rows(batch.q)[:rows]
 
         def step() -> torch.Tensor:
             hidden = model.hidden_states(batch.input_ids[None, :rows], paged.positions[None], layers)[0]  # [rows, D]

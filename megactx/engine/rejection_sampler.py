@@ -41,39 +41,47 @@ class VerifyResult:
     num_accepted: torch.Tensor
 
 
-def _check_drafts(num_positions: int, draft_tokens: torch.Tensor, num_drafts: torch.Tensor) -> None:
+def _check_drafts(num_positions: int, draft_tokens: torch.Tensor, num_drafts: torch.Tensor | None) -> None:
     bsz, width = draft_tokens.shape
     if width != num_positions - 1:
         raise ValueError(f"draft_tokens must be [B, K] with K = verified positions - 1 = {num_positions - 1}, "
                          f"got {tuple(draft_tokens.shape)}")
-    if num_drafts.shape != (bsz,):
+    if num_drafts is not None and num_drafts.shape != (bsz,):
         raise ValueError(f"num_drafts must be [B={bsz}], got {tuple(num_drafts.shape)}")
 
 
-def _leading_accepts(accept: torch.Tensor) -> torch.Tensor:
-    """accept: [B, K] bool -> [B] int64, how many leading entries of each row are True."""
-    return accept.long().cumprod(dim=1).sum(dim=1)
+def _leading_accepts(accept: torch.Tensor, num_drafts: torch.Tensor | None) -> torch.Tensor:
+    """accept: [B, K] bool -> [B] int64, how many leading entries of each row are True, counting only
+    the first num_drafts[b] of row b (None: all K)."""
+    if num_drafts is not None:
+        accept = accept & (torch.arange(accept.shape[1], device=accept.device)[None, :] < num_drafts[:, None])
+    return accept.cumprod(dim=1).sum(dim=1)  # a cumulative product of bools is int64
+
+
+def _row_at(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x: [B, N, V], index: [B] int64 in [0, N) -> x[b, index[b]] for each row b, [B, V]."""
+    return x.gather(1, index[:, None, None].expand(-1, 1, x.shape[2])).squeeze(1)
 
 
 def _emitted(draft_tokens: torch.Tensor, num_accepted: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
     """[B, K + 1]: draft_tokens[b, :a] then last[b] at column a = num_accepted[b], PAD_ID after."""
-    bsz, width = draft_tokens.shape
-    col = torch.arange(width + 1, device=draft_tokens.device)[None, :]  # [1, K + 1]
-    padded = torch.cat([draft_tokens, draft_tokens.new_full((bsz, 1), PAD_ID)], dim=1)
-    tokens = torch.where(col < num_accepted[:, None], padded, PAD_ID)
-    return torch.where(col == num_accepted[:, None], last[:, None], tokens)
+    col = torch.arange(draft_tokens.shape[1] + 1, device=draft_tokens.device)[None, :]  # [1, K + 1]
+    tokens = torch.cat([draft_tokens, last[:, None]], dim=1).scatter_(1, num_accepted[:, None], last[:, None])
+    return tokens.masked_fill_(col > num_accepted[:, None], PAD_ID)
 
 
-def greedy_verify(target_tokens: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: torch.Tensor) -> VerifyResult:
+def greedy_verify(target_tokens: torch.Tensor, draft_tokens: torch.Tensor,
+                  num_drafts: torch.Tensor | None = None) -> VerifyResult:
     """The greedy rule. target_tokens: [B, K + 1] int64, the target's argmax at each verified
     position; draft_tokens: [B, K] int64 (entries past num_drafts[b] are ignored); num_drafts: [B]
-    int64 in [0, K]."""
+    int64 in [0, K], None when every row verifies K drafts."""
     _check_drafts(target_tokens.shape[1], draft_tokens, num_drafts)
     width = draft_tokens.shape[1]
-    valid = torch.arange(width, device=draft_tokens.device)[None, :] < num_drafts[:, None]  # [B, K]
-    num_accepted = _leading_accepts(valid & (draft_tokens == target_tokens[:, :width]))
-    last = target_tokens.gather(1, num_accepted[:, None]).squeeze(1)
-    return VerifyResult(_emitted(draft_tokens, num_accepted, last), num_accepted)
+    num_accepted = _leading_accepts(draft_tokens == target_tokens[:, :width], num_drafts)
+    # the accepted drafts are the target's tokens, and so is the one after them: row b emits
+    # target_tokens[b, :a + 1]
+    col = torch.arange(width + 1, device=draft_tokens.device)[None, :]  # [1, K + 1]
+    return VerifyResult(torch.where(col > num_accepted[:, None], PAD_ID, target_tokens), num_accepted)
 
 
 def draw_uniforms(num_rows: int, width: int, device: torch.device | str,
@@ -86,7 +94,7 @@ def draw_uniforms(num_rows: int, width: int, device: torch.device | str,
 
 
 def rejection_sample(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
-                     num_drafts: torch.Tensor, uniforms: torch.Tensor | None = None,
+                     num_drafts: torch.Tensor | None, uniforms: torch.Tensor | None = None,
                      generators: Sequence[RowSource] | None = None,
                      shared_generator: torch.Generator | None = None) -> VerifyResult:
     """The speculative-sampling rule (module docstring).
@@ -94,9 +102,10 @@ def rejection_sample(target_probs: torch.Tensor, draft_tokens: torch.Tensor, dra
     target_probs: [B, K + 1, V] fp32, p_0 .. p_K (rows sum to 1). draft_tokens: [B, K] int64, each
     drawn from its q. draft_probs: [B, K, V] fp32, q_0 .. q_{K-1}; None means every draft was picked
     deterministically (q = one-hot of the draft). num_drafts: [B] int64 in [0, K]: row b verifies its
-    first num_drafts[b] drafts; later columns of every input are ignored. uniforms: [B, K] in [0, 1),
-    the acceptance draws (None: `draw_uniforms` with the generators). generators /
-    shared_generator: where the replacement / bonus token's noise comes from, as in `sample`.
+    first num_drafts[b] drafts, later columns of every input are ignored (None: every row verifies
+    K). uniforms: [B, K] in [0, 1), the acceptance draws (None: `draw_uniforms` with the
+    generators). generators / shared_generator: where the replacement / bonus token's noise comes
+    from, as in `sample`.
 
     Draft j is accepted iff u_j · q_j(d) < p_j(d), i.e. with probability min(1, p_j(d) / q_j(d)) —
     and never when p_j(d) = 0."""
@@ -112,26 +121,25 @@ def rejection_sample(target_probs: torch.Tensor, draft_tokens: torch.Tensor, dra
         raise ValueError(f"uniforms must be [B, K] = {(bsz, width)}, got {tuple(uniforms.shape)}")
 
     drafts = draft_tokens.clamp(0, vocab - 1)  # ignored columns may hold padding
-    valid = torch.arange(width, device=device)[None, :] < num_drafts[:, None]  # [B, K]
     p_draft = target_probs[:, :width].gather(2, drafts[..., None]).squeeze(2)  # [B, K]
-    q_draft = (torch.ones_like(p_draft) if draft_probs is None
-               else draft_probs.gather(2, drafts[..., None]).squeeze(2))
-    num_accepted = _leading_accepts(valid & (uniforms * q_draft < p_draft))  # [B]
+    # q(d) = 1 for a draft picked deterministically, and u · 1 = u exactly: no product to take
+    scaled = uniforms if draft_probs is None else uniforms * draft_probs.gather(2, drafts[..., None]).squeeze(2)
+    num_accepted = _leading_accepts(scaled < p_draft, num_drafts)  # [B]
 
-    rows = torch.arange(bsz, device=device)
-    p_next = target_probs[rows, num_accepted]  # [B, V]: p at the first position not accepted
+    p_next = _row_at(target_probs, num_accepted)  # [B, V]: p at the first position not accepted
     if width > 0:
         col = num_accepted.clamp(max=width - 1)  # rows that accepted everything use p_next as is
         if draft_probs is None:
-            q_next = torch.zeros_like(p_next).scatter_(1, drafts[rows, col][:, None], 1.0)
+            # q = one-hot(d): max(p - q, 0) is p with p(d) zeroed, exactly (p - 0 = p, and p(d) <= 1:
+            # a normalised p has no entry above its sum)
+            residual = p_next.scatter(1, drafts.gather(1, col[:, None]), 0.0)
         else:
-            q_next = draft_probs[rows, col]
-        residual = (p_next - q_next).clamp_min(0.0)
+            residual = (p_next - _row_at(draft_probs, col)).clamp_min(0.0)
         mass = residual.sum(dim=1, keepdim=True)
         # No mass left means p <= q everywhere, i.e. p == q up to rounding: then a rejection had
         # probability ~0, and p itself is the residual's limit.
         residual = torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(mass.dtype).tiny), p_next)
-        rejected = (num_accepted < num_drafts)[:, None]
-        p_next = torch.where(rejected, residual, p_next)
+        rejected = num_accepted < (width if num_drafts is None else num_drafts)  # [B]
+        p_next = torch.where(rejected[:, None], residual, p_next)
     last = sample(p_next, generators, shared_generator)
     return VerifyResult(_emitted(draft_tokens, num_accepted, last), num_accepted)

@@ -5,7 +5,8 @@ One step of the speculative engine (`LLM.step` calls these in order):
 
 1. `SpecDecoder.forward` — the target over the scheduled chunks: prefill chunks' known tokens, and
    for each decoding sequence its last token followed by its k draft tokens (the verify), writing
-   the target KV of all of them; returns the final-normed hidden state of every position.
+   the target KV of all of them; returns the final-normed hidden state and the input token of
+   every position (`TargetPass`).
 2. `SpecDecoder.verify` — logits at the k + 1 verified positions of each chunk that samples (k = 0
    for a prefill's last chunk), each request's sampling pipeline on every position (penalties and
    min_tokens with the earlier drafts counted as output, then temperature / top-k / top-p / min-p),
@@ -34,6 +35,13 @@ next verify's inputs and its rejection rule read them there; `Draft.tokens`, the
 fetched only for penalties and min_tokens), so the host emits, schedules and fills the next verify
 while the device drafts.
 
+Host work. At batch 1 a step is bound by the host, not the GPU (an eager launch or copy costs more
+host time than its work takes on the device), so a graphed step keeps its eager ops few. It makes
+two host-to-device copies, one a graph: the graph's inputs and the indices of the eager ops around
+it travel together, from a pinned buffer kept for them (`StaticBatch.fill`). verify() reads the
+verify graph's rows in place (no gathers when every sequence verifies as many drafts), and the
+drafting reads the verify graph's output in place.
+
 Graphs. When the runner replays graphs (CUDA; `ModelRunner.use_graphs`), a step whose chunks are
 all decodes runs its verify forward as one graph of B sequences x (γ + 1) rows (`StepGraphs`,
 kind "verify": a sequence with k < γ drafts leaves padding rows), and propose() runs the MTP
@@ -56,6 +64,7 @@ from megactx.config import ModelConfig
 from megactx.engine.model_runner import DeviceTokens
 from megactx.engine.rejection_sampler import draw_uniforms, greedy_verify, rejection_sample
 from megactx.engine.sampler import (
+    PAD_ID,
     RowGenerator,
     SamplingTensors,
     SamplingTensorsCache,
@@ -77,10 +86,9 @@ from megactx.model.paged import (
     HostCopy,
     PagedBatch,
     PagedLayerCache,
-    copy_from_host_,
-    host_block_table,
-    slots_of,
+    slots_of_range,
     to_device,
+    to_device_packed,
 )
 
 if TYPE_CHECKING:
@@ -166,13 +174,13 @@ class SpecDecodeStats:
 class Draft:
     """A sequence's draft tokens for its next verify: device_tokens [k] int64 on the device, where
     the next verify reads them; `tokens`, their host copy, waits for the copy the drafting queued
-    (nothing on the hot path reads it: the host goes on scheduling while the device drafts).
-    probs: [k, V] fp32, the q each token was drawn from; None when they were picked
-    deterministically (q = one-hot)."""
+    when its requests need the drafts on the host (penalties, min_tokens), else syncs (nothing on
+    the hot path reads it: the host goes on scheduling while the device drafts). probs: [k, V]
+    fp32, the q each token was drawn from; None when they were picked deterministically (q = one-hot)."""
 
     device_tokens: torch.Tensor
     probs: torch.Tensor | None = None
-    host: HostCopy | None = None  # the drafting's copy of its [B, steps] tokens to the host
+    host: HostCopy | None = None  # the drafting's copy of its [B, steps] tokens to the host, if it made one
     row: int = 0  # this draft's row in it, and in all_probs
     all_probs: torch.Tensor | None = None  # [B, steps, V]: the q of every sequence of the drafting
 
@@ -198,21 +206,37 @@ class Emitted:
     logprobs: list[tuple[float, dict[int, float]]] | None = None
 
 
+@dataclass
+class TargetPass:
+    """The step's target forward (`SpecDecoder.forward`) as verify() and propose() read it: the
+    final-normed hidden state and the input token (drafts in place) of each row. Chunk b's
+    positions are consecutive rows from first_rows[b]: flattened, chunk after chunk (q None), or in
+    the verify graph's layout (chunk b from row b·q, q = γ + 1, padding rows after its tokens)."""
+
+    hidden: torch.Tensor  # [N, D]
+    input_ids: torch.Tensor  # [N] int64
+    first_rows: list[int]  # [len(scheduled)]
+    q: int | None = None
+
+
 # ------------------------------------------------------------------------------ runner functions
 def forward_positions(runner: ModelRunner, scheduled: Sequence[ScheduledSeq],
-                      drafts: DeviceTokens | None) -> torch.Tensor:
+                      drafts: DeviceTokens | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The target over the step's chunks, each its known tokens then its draft tokens (slots were
     reserved by the scheduler; the drafts on the device: `draft_tokens`), writing their KV. ->
-    final-normed hidden states [T, D], chunk after chunk, T = Σ num_positions."""
+    (final-normed hidden states [T, D], input ids [T] int64), chunk after chunk, T = Σ num_positions."""
     ids = []
     for item in scheduled:
         ids += item.seq.token_ids[item.start : item.end] + [0] * item.num_draft_tokens
     batch = PagedBatch.build([item.seq.block_table for item in scheduled], [item.start for item in scheduled],
                              [item.num_positions for item in scheduled], runner.device)
-    input_ids = to_device(ids, runner.device, torch.long)
+    at = drafts.positions if drafts is not None else []
+    input_ids, draft_rows = to_device_packed([np.array(ids, dtype=np.int64), np.array(at, dtype=np.int64)],
+                                             runner.device)  # one copy
     if drafts is not None:
-        drafts.put(input_ids)
-    return runner.model.hidden_states(input_ids[None], batch.positions[None], runner.layer_caches(batch))[0]
+        input_ids.index_copy_(0, draft_rows, drafts.values)
+    hidden = runner.model.hidden_states(input_ids[None], batch.positions[None], runner.layer_caches(batch))[0]
+    return hidden, input_ids
 
 
 def draft_tokens(items: Sequence[ScheduledSeq], drafts: Mapping[int, Draft],
@@ -222,8 +246,8 @@ def draft_tokens(items: Sequence[ScheduledSeq], drafts: Mapping[int, Draft],
     at = [positions(b, j) for b, item in enumerate(items) for j in range(item.num_draft_tokens)]
     if not at:
         return None
-    return DeviceTokens(at, torch.cat([drafts[item.seq.seq_id].device_tokens[: item.num_draft_tokens]
-                                       for item in items if item.num_draft_tokens]))
+    values = [drafts[item.seq.seq_id].device_tokens[: item.num_draft_tokens] for item in items if item.num_draft_tokens]
+    return DeviceTokens(at, values[0] if len(values) == 1 else torch.cat(values))
 
 
 def mtp_forward(runner: ModelRunner, hidden: torch.Tensor, next_tokens: torch.Tensor, batch: PagedBatch,
@@ -286,45 +310,67 @@ class SpecDecoder:
         """Drop a sequence's drafts (it finished, was aborted, or was preempted: its KV is gone)."""
         self.drafts.pop(seq_id, None)
 
-    def forward(self, scheduled: Sequence[ScheduledSeq]) -> torch.Tensor:
-        """The step's target forward over known and draft tokens -> hidden states [T, D]."""
+    def forward(self, scheduled: Sequence[ScheduledSeq]) -> TargetPass:
+        """The step's target forward over known and draft tokens."""
         offsets = _offsets(scheduled)  # each chunk's drafts follow its known tokens
         drafts = draft_tokens(scheduled, self.drafts, lambda b, j: offsets[b] + scheduled[b].num_tokens + j)
         graphs = self.runner.graphs
         if graphs is not None and all(item.num_tokens == 1 and item.samples for item in scheduled):
+            q = self.config.num_speculative_tokens + 1
             ids = [[item.seq.token_ids[item.start]] + [0] * item.num_draft_tokens for item in scheduled]  # 0: drafts
             hidden = graphs.forward("verify", [item.seq.block_table for item in scheduled],
-                                    [item.start for item in scheduled], ids, q=self.config.num_speculative_tokens + 1,
-                                    device_tokens=drafts)
+                                    [item.start for item in scheduled], ids, q=q, device_tokens=drafts)
             if hidden is not None:
-                return hidden
-        return forward_positions(self.runner, scheduled, drafts)
+                return TargetPass(hidden, graphs.static_batch("verify", q).input_ids,
+                                  [b * q for b in range(len(scheduled))], q)
+        return TargetPass(*forward_positions(self.runner, scheduled, drafts), offsets)
 
     # -------------------------------------------------------------------------- verify
     @torch.inference_mode()
-    def verify(self, scheduled: Sequence[ScheduledSeq], hidden: torch.Tensor,
+    def verify(self, scheduled: Sequence[ScheduledSeq], target: TargetPass,
                generators: Mapping[int, RowGenerator]) -> dict[int, Emitted]:
         """Accept or reject the drafts of every chunk that samples -> seq_id -> Emitted.
 
-        hidden: [T, D] from forward(). generators: seq_id -> the generator of a seeded request."""
-        offsets = _offsets(scheduled)
-        chunks = [(item, off) for item, off in zip(scheduled, offsets) if item.samples]
+        target: from forward(). generators: seq_id -> the generator of a seeded request."""
+        chunks = [(b, item) for b, item in enumerate(scheduled) if item.samples]
         if not chunks:
             return {}
-        device, vocab = hidden.device, self.vocab_size
-        bsz, width = len(chunks), max(item.num_draft_tokens for item, _ in chunks)
-        lengths = [item.num_draft_tokens for item, _ in chunks]
+        device, vocab = target.hidden.device, self.vocab_size
+        bsz, width = len(chunks), max(item.num_draft_tokens for _, item in chunks)
+        lengths = [item.num_draft_tokens for _, item in chunks]
 
         # logits of the real rows only (the lm_head is the expensive part), then padded to K + 1 a row
         rows, padded = [], []
-        for item, off in chunks:
+        for b, item in chunks:
             first, n = len(rows), item.num_draft_tokens + 1
-            rows.extend(range(off + item.num_tokens - 1, off + item.num_tokens - 1 + n))
+            last = target.first_rows[b] + item.num_tokens - 1  # the chunk's last known token, then its drafts
+            rows.extend(range(last, last + n))
             padded.extend(first + min(j, n - 1) for j in range(width + 1))
-        raw = self.model.compute_logits(hidden.index_select(0, to_device(rows, device)))  # [R, V]
-        raw = raw.index_select(0, to_device(padded, device))  # [B (K + 1), V]
+        # the indices the step needs on the device, in one copy: none after a verify graph whose
+        # sequences all verify K drafts (most steps), where rows are a prefix of the graph's and
+        # nothing is padded or masked
+        needed = {}
+        if rows != list(range(len(rows))):
+            needed["rows"] = rows
+        if any(k != width for k in lengths):
+            needed["padded"], needed["num_drafts"] = padded, lengths
+        if target.q is None:  # the drafts' rows; past a chunk's drafts (ignored) its last verified row
+            needed["drafts"] = [target.first_rows[b] + item.num_tokens - 1 + min(j + 1, item.num_draft_tokens)
+                                for b, item in chunks for j in range(width)]
+        indices = dict(zip(needed, to_device_packed([np.array(v, dtype=np.int64) for v in needed.values()], device)
+                           if needed else []))
+        hidden = target.hidden.index_select(0, indices["rows"]) if "rows" in indices else target.hidden[: len(rows)]
+        raw = self.model.compute_logits(hidden)  # [R, V]
+        if "padded" in indices:
+            raw = raw.index_select(0, indices["padded"])  # [B (K + 1), V]
+        if target.q is None:
+            drafted = target.input_ids.index_select(0, indices["drafts"]).view(bsz, width)  # [B, K]
+        else:  # the verify graph's rows: every chunk is a decode, its drafts after its token
+            assert bsz == len(scheduled), "a verify graph runs decodes only"
+            drafted = target.input_ids.view(-1, target.q)[:bsz, 1 : width + 1]
+        num_drafts = indices.get("num_drafts")  # None: every chunk verifies K drafts
 
-        seqs = [item.seq for item, _ in chunks]
+        seqs = [item.seq for _, item in chunks]
         tensors = self._verify_sampling.get(seqs, device, vocab, self.eos_token_ids)
         if not tensors.all_greedy or tensors.any_min_tokens or tensors.any_penalties:  # a row a position
             tensors = self._per_position(tensors, width)
@@ -333,7 +379,7 @@ class SpecDecoder:
             # position j of a verify comes after drafts 1 .. j: they count as output there (on the host: waits
             # for the drafts' copy)
             drafts = [self.drafts[item.seq.seq_id].tokens[: item.num_draft_tokens] if item.num_draft_tokens else []
-                      for item, _ in chunks]
+                      for _, item in chunks]
             history = [s.output_token_ids + d[:j] for s, d in zip(seqs, drafts) for j in range(width + 1)]
             outputs = pad_token_ids(history, device)
             if tensors.any_min_tokens:
@@ -343,11 +389,6 @@ class SpecDecoder:
                                         device)
                 processed = apply_penalties(processed, tensors, prompts, outputs)
 
-        num_drafts = to_device(lengths, device)
-        drafted = torch.zeros(bsz * width, dtype=torch.long, device=device)  # [B, K], 0-padded
-        if (held := draft_tokens([item for item, _ in chunks], self.drafts, lambda b, j: b * width + j)) is not None:
-            held.put(drafted)
-        drafted = drafted.view(bsz, width)
         if tensors.all_greedy:
             result = greedy_verify(processed.argmax(dim=-1).view(bsz, width + 1), drafted, num_drafts)
         else:
@@ -355,9 +396,11 @@ class SpecDecoder:
             # γ draws a row whatever this batch's K, so a seeded request's draws do not depend on the batch
             uniforms = draw_uniforms(bsz, self.config.num_speculative_tokens, device, gens, self.shared_generator)
             result = rejection_sample(process_logits(processed, tensors).view(bsz, width + 1, vocab), drafted,
-                                      self._draft_probs(chunks, width), num_drafts, uniforms[:, :width], gens,
-                                      self.shared_generator)
-        tokens, accepted = result.tokens.tolist(), result.num_accepted.tolist()  # the step's host sync
+                                      self._draft_probs([item for _, item in chunks], width), num_drafts,
+                                      uniforms[:, :width], gens, self.shared_generator)
+        # the step's host sync, one copy: row b holds its num_accepted + 1 tokens, then PAD_ID
+        tokens = result.tokens.tolist()
+        accepted = [row.index(PAD_ID) - 1 if PAD_ID in row else width for row in tokens]
 
         logprobs = None
         if tensors.max_num_logprobs is not None:
@@ -386,10 +429,10 @@ class SpecDecoder:
             cached = self._positions = (tensors, width, tensors.select(rows.repeat_interleave(width + 1)))
         return cached[2]
 
-    def _draft_probs(self, chunks: list[tuple[ScheduledSeq, int]], width: int) -> torch.Tensor | None:
+    def _draft_probs(self, chunks: list[ScheduledSeq], width: int) -> torch.Tensor | None:
         """q of the drafts being verified, [B, K, V] (one-hot rows for drafts picked
         deterministically), or None when every draft was (the rejection rule's one-hot case)."""
-        held = [self.drafts[item.seq.seq_id] if item.num_draft_tokens else None for item, _ in chunks]
+        held = [self.drafts[item.seq.seq_id] if item.num_draft_tokens else None for item in chunks]
         if not any(d is not None and d.probs is not None for d in held):
             return None
         whole = held[0].all_probs if held[0] is not None else None
@@ -398,7 +441,7 @@ class SpecDecoder:
             return whole[:, :width]  # the verify's batch is the drafting's, in order (most steps): no copies
         device = self.runner.device
         q = torch.zeros(len(chunks), width, self.vocab_size, device=device)
-        for b, ((item, _), draft) in enumerate(zip(chunks, held)):
+        for b, (item, draft) in enumerate(zip(chunks, held)):
             k = item.num_draft_tokens
             if draft is None:
                 continue
@@ -410,39 +453,39 @@ class SpecDecoder:
 
     # -------------------------------------------------------------------------- propose
     @torch.inference_mode()
-    def propose(self, scheduled: Sequence[ScheduledSeq], hidden: torch.Tensor, num_drafts: Mapping[int, int],
+    def propose(self, scheduled: Sequence[ScheduledSeq], target: TargetPass, num_drafts: Mapping[int, int],
                 generators: Mapping[int, RowGenerator]) -> None:
         """After the scheduler's postprocess(): MTP step 1 over every position the step computed
         (writing the MTP KV), then drafts for the sequences in num_drafts (seq_id -> how many, from
         Scheduler.max_draft_tokens; missing or 0 = none). Drafts the step verified are dropped.
 
-        hidden: [T, D] from forward(). generators: seq_id -> the generator of a seeded request."""
-        device, runner = hidden.device, self.runner
+        target: from forward(). generators: seq_id -> the generator of a seeded request."""
+        device, runner = target.hidden.device, self.runner
         rows, members = [], []
-        for item, off in zip(scheduled, _offsets(scheduled)):
+        for item, first in zip(scheduled, target.first_rows):
             seq = item.seq
             if item.samples:
                 self.forget(seq.seq_id)
             if seq.status is not SequenceStatus.RUNNING:
                 continue
             computed = seq.num_computed_tokens - item.start  # known tokens, then the accepted drafts
-            rows.extend(range(off, off + computed))
+            rows.extend(range(first, first + computed))
             members.append((seq, item.start, computed))
         if not members:
             return
         plan = self._plan(members, num_drafts, generators)
         graphs = self._draft_graphs()
-        if graphs is not None and graphs.run(members, hidden, rows, plan):
+        if graphs is not None and graphs.run(members, target, rows, plan):
             return
         batch = PagedBatch.build([s.block_table for s, _, _ in members], [start for _, start, _ in members],
                                  [n for _, _, n in members], device)
         next_tokens = [t for seq, start, n in members for t in seq.token_ids[start + 1 : start + n + 1]]
-        step1, topk = mtp_forward(runner, hidden.index_select(0, to_device(rows, device)),
-                                  to_device(next_tokens, device, torch.long), batch, batch.positions)
+        # each drafting sequence continues from its last computed position (its chunk's last row)
+        ends = list(itertools.accumulate(n for _, _, n in members))
+        computed, next_ids, last = to_device_packed(  # one copy
+            [np.array(v, dtype=np.int64) for v in (rows, next_tokens, [ends[m] - 1 for m in plan.members])], device)
+        step1, topk = mtp_forward(runner, target.hidden.index_select(0, computed), next_ids, batch, batch.positions)
         if plan.seqs:
-            # each drafting sequence continues from its last computed position (its chunk's last row)
-            ends = list(itertools.accumulate(n for _, _, n in members))
-            last = to_device([ends[m] - 1 for m in plan.members], device)
             self._draft(plan, step1.index_select(0, last), topk.index_select(0, last))
 
     def _plan(self, members: list[tuple[Seq, int, int]], num_drafts: Mapping[int, int],
@@ -504,8 +547,9 @@ class SpecDecoder:
 
     def _keep(self, plan: _DraftPlan, tokens: torch.Tensor, probs: torch.Tensor | None) -> None:
         """Hold tokens [B, >= max steps] (and probs) as each drafting sequence's next drafts. No host
-        sync: the next verify reads them on the device; their host copy travels meanwhile."""
-        host = HostCopy(tokens)
+        sync: the next verify reads them on the device; their host copy travels meanwhile if the
+        next verify reads them on the host too (penalties, min_tokens)."""
+        host = HostCopy(tokens) if plan.tensors.any_penalties or plan.tensors.any_min_tokens else None
         for b, (seq, k) in enumerate(zip(plan.seqs, plan.steps)):
             self.drafts[seq.seq_id] = Draft(tokens[b, :k], None if probs is None else probs[b, :k], host, b, probs)
 
@@ -561,38 +605,52 @@ class DraftGraphs:
     steps write and select nothing; baseline steps write at pos0 + j - 1 and index up to there.
 
     State between graphs (hidden, top-k, tokens) and each step's logits live in static buffers
-    allocated outside the graphs' memory pool."""
+    allocated outside the graphs' memory pool; step 1 reads its hidden states from the verify graphs'
+    output buffer (`StepGraphs.hidden_rows`), where a graphed verify left them."""
 
     def __init__(self, spec: SpecDecoder, graphs: StepGraphs):
         runner, cfg = spec.runner, spec.model.cfg
         self.spec, self.graphs, self.runner = spec, graphs, runner
         self.gamma = gamma = spec.config.num_speculative_tokens
-        self.q = gamma + 1
+        self.q = q = gamma + 1
         self.kv_share = spec.config.kv_share
         n, dev = graphs.max_num_seqs, runner.device
-        self.batch = graphs.static_batch("draft", self.q)  # step 1: input_ids are the next tokens
-        self.hidden_in = torch.zeros(n * self.q, cfg.hidden_size, dtype=spec.model.dtype, device=dev)  # step 1's h
-        self.last_rows = torch.zeros(n, dtype=torch.long, device=dev)  # row of each sequence's last position
+        # step 1's batch (input_ids: the next tokens); the graphs' other inputs, and the indices of the
+        # eager ops around them, are fields of its buffers: run() sends all of them in the fill's one copy
+        self.batch = graphs.static_batch("draft", q, extra={
+            "last_rows": ((n,), torch.long),  # row of each sequence's last position
+            # draft steps 2 .. γ: row j - 1 of each is step j + 1's (pos0 + j)
+            "positions": ((gamma - 1, n), torch.long),
+            "slots": ((gamma - 1, n), torch.long),
+            "key_len": ((gamma - 1, n), torch.int32),
+            # the sampled loop's random streams: each row's key, and the values it drew before the loop
+            "keys": ((n,), torch.long),
+            "offsets": ((n,), torch.long),
+            "members": ((n,), torch.long),  # the drafting sequences' rows (plan.members)
+            "hidden_from": ((n * q,), torch.long),  # rows of the step's hidden states -> rows of hidden_in
+            "hidden_to": ((n * q,), torch.long),
+        })
+        fields = self.batch.buffers.device
+        self.last_rows, self.positions, self.slots, self.key_len = (
+            fields[name] for name in ("last_rows", "positions", "slots", "key_len"))
+        self.keys, self.offsets = fields["keys"], fields["offsets"]
+        # step 1's h: the verify graphs' output, whose rows are this batch's when every sequence of a
+        # graphed verify goes on (most steps: then there is nothing to copy)
+        self.hidden_in = graphs.hidden_rows(q)  # [n·q, D]
         self.hidden = torch.zeros(n, cfg.hidden_size, dtype=spec.model.dtype, device=dev)  # fed from step to step
         self.topk = torch.full((n, cfg.index_topk), -1, dtype=torch.int32, device=dev)  # step 1's, for KVShare
         self.tokens = torch.zeros(n, gamma, dtype=torch.long, device=dev)  # tokens[:, j]: step j + 1's draft
-        # draft steps 2 .. γ: row j - 1 of each is step j + 1's (pos0 + j)
-        self.positions = torch.zeros(gamma - 1, n, dtype=torch.long, device=dev)
-        self.slots = torch.full((gamma - 1, n), -1, dtype=torch.long, device=dev)
-        self.key_len = torch.zeros(gamma - 1, n, dtype=torch.int32, device=dev)
         self.seq_idx = torch.arange(n, dtype=torch.int32, device=dev)
-        # the sampled loop's inputs: each row's random stream and sampling settings (benign on rows that
-        # draft nothing: their tokens are dropped), and the q each draft was drawn from; at first use
-        self.keys = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.offsets = torch.zeros(n, dtype=torch.int64, device=dev)  # values each stream drew before the loop
+        # the sampled loop's sampling settings (benign on rows that draft nothing: their tokens are
+        # dropped), and the q each draft was drawn from; at first use
         self.settings: SamplingTensors | None = None
         self.probs: torch.Tensor | None = None  # [n, γ, V] fp32
         self._filled: tuple[SamplingTensors, list[int]] | None = None  # whose keys and settings the rows hold
 
-    def run(self, members: list[tuple[Seq, int, int]], hidden: torch.Tensor, rows: list[int],
+    def run(self, members: list[tuple[Seq, int, int]], target: TargetPass, rows: list[int],
             plan: _DraftPlan) -> bool:
         """propose()'s MTP steps from graphs: members (sequence, chunk start, positions computed),
-        hidden [T, D] of the step, rows [Σ computed] of the computed positions in it. Holds the
+        target: the step's forward, rows [Σ computed]: the computed positions' rows in it. Holds the
         drafts of plan.seqs and returns True; False (nothing run) when no graph fits."""
         q, device = self.q, self.runner.device
         if any(n > q for _, _, n in members):
@@ -617,31 +675,43 @@ class DraftGraphs:
         graphs = [self.graphs.captured(("draft", bs, keys, w), lambda w=w: self._build(bs, keys, w), self._clear)
                   for w in which]
 
-        table = host_block_table([seq.block_table for seq, _, _ in members], bs)
-        filled = self.batch.fill(table, [start for _, start, _ in members],
-                                 [seq.token_ids[start + 1 : start + n + 1] for seq, start, n in members])
-        self.hidden_in.index_copy_(0, to_device(filled, device),
-                                   hidden.index_select(0, to_device(rows, device)))
-        last = torch.arange(bs) * q
-        last[: len(members)] += torch.tensor([n - 1 for _, _, n in members])
-        copy_from_host_(self.last_rows[:bs], last)
+        # every input, written into the batch's host twin, goes in the fill's one copy
+        host = self.batch.buffers.host()
+        filled = [m * q + i for m, (_, _, n) in enumerate(members) for i in range(n)]  # the fill's rows of them
+        # after a verify graph (its output is hidden_in) whose sequences all go on, they are there already
+        in_place = rows == filled and target.hidden.data_ptr() == self.hidden_in.data_ptr()
+        if not in_place:
+            host["hidden_from"][: len(rows)], host["hidden_to"][: len(rows)] = rows, filled
+        last = host["last_rows"]
+        last[:] = np.arange(last.shape[0]) * q
+        last[: len(members)] += [n - 1 for _, _, n in members]
         if self.gamma > 1:
-            first = torch.zeros(bs, dtype=torch.long)
-            first[: len(members)] = torch.tensor(pos0)
-            j = torch.arange(1, self.gamma)[:, None]
-            pos = first[None] + j  # [γ - 1, bs]
-            copy_from_host_(self.positions[:, :bs], pos)
-            if not self.kv_share:
-                active = j < torch.tensor(steps + [0] * (bs - len(members)))[None]  # [γ - 1, bs]
-                copy_from_host_(self.slots[:, :bs], torch.where(active, slots_of(table, pos.T).T, -1))
-                copy_from_host_(self.key_len[:, :bs], torch.where(active, pos + 1, 0).int())
+            host["positions"][:] = np.arange(1, self.gamma)[:, None]  # [γ - 1, n]: pos0 + j, pos0 = 0 on padding
+            host["positions"][:, : len(members)] += pos0
+            if not self.kv_share:  # step j + 1 of sequence b writes at pos0 + j while j < steps[b]
+                slots, key_len = host["slots"], host["key_len"]
+                slots[:], key_len[:] = -1, 0
+                for b, ((seq, _, _), p, k) in enumerate(zip(members, pos0, steps)):
+                    if k > 1:
+                        slots[: k - 1, b] = slots_of_range(seq.block_table, p + 1, k - 1)
+                        key_len[: k - 1, b] = range(p + 2, p + k + 1)
+        host["members"][: len(plan.members)] = plan.members
+        new_streams = sampled_loop and self._stage_streams(plan, host)
+        self.batch.fill(bs, [seq.block_table for seq, _, _ in members], [start for _, start, _ in members],
+                        [seq.token_ids[start + 1 : start + n + 1] for seq, start, n in members])
+        fields = self.batch.buffers.device
+        if not in_place:
+            self.hidden_in.index_copy_(0, fields["hidden_to"][: len(rows)],
+                                       target.hidden.index_select(0, fields["hidden_from"][: len(rows)]))
 
         if not plan.seqs:
             graphs[0].replay()
             return True
-        member_rows = to_device(plan.members, device)
+        member_rows = fields["members"][: len(plan.members)]
         if sampled_loop:
-            self._fill_streams(plan, bs, member_rows)
+            if new_streams:
+                for name in SETTINGS_FIELDS:
+                    getattr(self.settings, name).index_copy_(0, member_rows, getattr(plan.tensors, name))
             graphs[0].replay()
             self.spec._keep(plan, self.tokens.index_select(0, member_rows), self.probs.index_select(0, member_rows))
             return True
@@ -672,23 +742,23 @@ class DraftGraphs:
         t = plan.tensors
         return ("sampled", t.any_greedy, t.any_top_k, t.any_top_p, t.any_min_p)
 
-    def _fill_streams(self, plan: _DraftPlan, bs: int, member_rows: torch.Tensor) -> None:
-        """The sampled loop's inputs for the drafting sequences' rows: streams (then advanced on the
-        host by the values the eager loop would draw: a vocabulary a draft step) and settings. Keys
-        and settings are those of the last loop while the drafting requests stay (most steps)."""
-        offsets = np.zeros(bs, dtype=np.int64)
+    def _stage_streams(self, plan: _DraftPlan, host: dict[str, np.ndarray]) -> bool:
+        """The sampled loop's streams for the drafting sequences' rows, into the host twin (then
+        advanced on the host by the values the eager loop would draw: a vocabulary a draft step).
+        -> whether the rows' settings must be filled too: keys and settings are those of the last
+        loop while the drafting requests stay (most steps)."""
+        offsets = host["offsets"]
+        offsets[:] = 0
         offsets[plan.members] = [g.offset for g in plan.gens]
         for g, k in zip(plan.gens, plan.steps):
             g.offset += k * self.spec.vocab_size
-        copy_from_host_(self.offsets[:bs], torch.from_numpy(offsets))
         if self._filled is not None and self._filled[0] is plan.tensors and self._filled[1] == plan.members:
-            return
-        keys = np.zeros(bs, dtype=np.int64)
+            return False
+        keys = host["keys"]
+        keys[:] = 0
         keys[plan.members] = [g.key for g in plan.gens]
-        copy_from_host_(self.keys[:bs], torch.from_numpy(keys))
-        for name in SETTINGS_FIELDS:
-            getattr(self.settings, name).index_copy_(0, member_rows, getattr(plan.tensors, name))
         self._filled = (plan.tensors, list(plan.members))
+        return True
 
     def _clear(self) -> None:
         self.batch.clear()

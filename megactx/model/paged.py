@@ -78,6 +78,77 @@ def copy_from_host_(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     return dst.copy_(src.pin_memory() if dst.is_cuda and src.device.type == "cpu" else src, non_blocking=True)
 
 
+_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32, np.dtype(np.float32): torch.float32}
+_NUMPY_DTYPES = {torch_dtype: numpy_dtype for numpy_dtype, torch_dtype in _TORCH_DTYPES.items()}
+
+
+def _layout(specs: Sequence[tuple[tuple[int, ...], np.dtype]]) -> tuple[list[int], int]:
+    """Byte offsets of arrays (shape, dtype) packed one after another, each 8-byte aligned (a view of
+    the bytes as int64 needs it), and the total."""
+    offsets, total = [], 0
+    for shape, dtype in specs:
+        offsets.append(total)
+        total += -(-int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize // 8) * 8
+    return offsets, total
+
+
+def _views(buffer: torch.Tensor, specs: Sequence[tuple[tuple[int, ...], np.dtype]],
+           offsets: Sequence[int]) -> list[torch.Tensor]:
+    """The arrays `specs` (shape, numpy dtype) at `offsets` of the bytes `buffer` [N] uint8, as tensors."""
+    return [buffer[o : o + int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize]
+            .view(_TORCH_DTYPES[np.dtype(dtype)]).view(shape) for (shape, dtype), o in zip(specs, offsets)]
+
+
+def to_device_packed(arrays: Sequence[np.ndarray], device: str | torch.device) -> list[torch.Tensor]:
+    """Host arrays (int64, int32 or fp32) on `device` in one copy: packed into one block of pinned
+    memory (on CUDA), sent with one to_device, returned as views of it with their shapes and dtypes.
+    A step's small metadata arrays cost one pinned staging block and one copy, not a block and a copy each."""
+    specs = [(a.shape, a.dtype) for a in arrays]
+    offsets, total = _layout(specs)
+    cuda = torch.device(device).type == "cuda"
+    host = torch.empty(max(total, 8), dtype=torch.uint8, pin_memory=cuda)  # pinned up front: no pin_memory() copy
+    raw = host.numpy()
+    for a, offset in zip(arrays, offsets):
+        raw[offset : offset + a.nbytes].view(a.dtype).reshape(a.shape)[...] = a
+    return _views(host.to(device, non_blocking=True) if cuda else to_device(host, device), specs, offsets)
+
+
+class StagedBuffers:
+    """Named device buffers (fields) in one block of device memory, with a host twin of the same
+    layout: the host writes the twin with numpy (`host()`), and send() copies all of it over in one
+    asynchronous copy. For a graph's static inputs, sent every step: the twin is pinned once (on
+    CUDA), where to_device would pin a staging copy every time (~15-20 us of host time on an H200
+    host), and a step's inputs go in one copy however many fields they fill.
+
+    Reuse is guarded: host() first waits for the copy that last read the twin (an event recorded
+    behind it, normally long done: the engine syncs with the device once a step). Between sends,
+    the twin holds what the last send sent, field by field; device-side writes into the fields
+    (a graph's clear, tokens put in place on the device) are not seen by it."""
+
+    def __init__(self, fields: dict[str, tuple[tuple[int, ...], torch.dtype]], device: str | torch.device):
+        """fields: name -> (shape, dtype: int64, int32 or fp32), all zeros at first."""
+        specs = [(shape, _NUMPY_DTYPES[dtype]) for shape, dtype in fields.values()]
+        offsets, total = _layout(specs)
+        cuda = torch.device(device).type == "cuda"
+        self._device = torch.zeros(max(total, 8), dtype=torch.uint8, device=device)
+        self._host = torch.zeros(max(total, 8), dtype=torch.uint8, pin_memory=cuda)
+        self.device = dict(zip(fields, _views(self._device, specs, offsets)))  # name -> device tensor (static)
+        self._twin = {name: t.numpy() for name, t in zip(fields, _views(self._host, specs, offsets))}
+        self._sent = torch.cuda.Event() if cuda else None  # recorded behind the last copy from the twin
+
+    def host(self) -> dict[str, np.ndarray]:
+        """name -> the field's host twin (numpy, writable) once the last send has read it."""
+        if self._sent is not None:
+            self._sent.synchronize()
+        return self._twin
+
+    def send(self) -> None:
+        """Copy the whole twin to the device (asynchronously on CUDA: stream-ordered before what follows)."""
+        self._device.copy_(self._host, non_blocking=True)
+        if self._sent is not None:
+            self._sent.record()
+
+
 class HostCopy:
     """Device tensors' copies to the host, queued behind the work that makes them (pinned memory and
     an event on CUDA), so the host need not wait now; lists() waits for them, once, -> each as
@@ -110,16 +181,9 @@ def host_block_table(tables: Sequence[Sequence[int]], bsz: int) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int32).view(bsz, width)  # one tensor a step, not one a sequence
 
 
-def slots_of(table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """table: [B, W] int32 physical blocks, positions: [B, N] int64 (each inside its table) ->
-    slots [B, N] int64."""
-    blocks = table.gather(1, (positions // ref.BLOCK_SIZE).clamp_max(table.shape[1] - 1)).long()
-    return blocks * ref.BLOCK_SIZE + positions % ref.BLOCK_SIZE
-
-
 def slots_of_range(blocks: Sequence[int], start: int, n: int) -> list[int]:
-    """slots_of on the host for one sequence's consecutive positions start .. start + n - 1 over its
-    physical blocks, built one range a block (the engine fills its step inputs this way every step)."""
+    """The KV slots (block * 64 + offset) of one sequence's consecutive positions start .. start + n - 1
+    over its physical blocks, built one range a block (the engine fills its step inputs this way every step)."""
     out: list[int] = []
     position, end = start, start + n
     while position < end:
@@ -157,22 +221,25 @@ class PagedBatch:
         blocks block_tables[b] (which must cover them)."""
         if not len(block_tables) == len(starts) == len(num_tokens):
             raise ValueError("block_tables, starts and num_tokens need one entry per sequence")
-        positions, seq_idx = [], []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_idx: list[int] = []
         for b, (table, start, n) in enumerate(zip(block_tables, starts, num_tokens)):
             if start < 0 or n < 0:
                 raise ValueError(f"sequence {b}: start {start} and num_tokens {n} must be >= 0")
             if start + n > len(table) * ref.BLOCK_SIZE:
                 raise ValueError(f"sequence {b}: positions up to {start + n - 1} need "
                                  f"{-(-(start + n) // ref.BLOCK_SIZE)} blocks, its block table has {len(table)}")
-            positions.append(torch.arange(start, start + n))
-            seq_idx.append(torch.full((n,), b, dtype=torch.int32))
-        pos = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.int64)
-        seq = torch.cat(seq_idx) if seq_idx else torch.zeros(0, dtype=torch.int32)
-        table = host_block_table(block_tables, len(block_tables))
-        slots = table[seq.long(), pos // ref.BLOCK_SIZE].long() * ref.BLOCK_SIZE + pos % ref.BLOCK_SIZE
-        key_len = (pos + 1).int()
-        return cls(to_device(pos, device), to_device(slots, device), to_device(seq, device),
-                   to_device(key_len, device), to_device(table, device), key_len)
+            positions.extend(range(start, start + n))
+            slots.extend(slots_of_range(table, start, n))
+            seq_idx.extend([b] * n)
+        pos = np.array(positions, dtype=np.int64)
+        key_len = (pos + 1).astype(np.int32)
+        table = host_block_table(block_tables, len(block_tables)).numpy()
+        # one copy for all of it (on a GPU, each to_device would pin a staging block and queue a copy)
+        pos_d, slots_d, seq_d, key_len_d, table_d = to_device_packed(
+            [pos, np.array(slots, dtype=np.int64), np.array(seq_idx, dtype=np.int32), key_len, table], device)
+        return cls(pos_d, slots_d, seq_d, key_len_d, table_d, torch.from_numpy(key_len))
 
     def indexer_chunk(self) -> int:
         """Query rows per indexer logits chunk under LOGITS_BUDGET_BYTES."""
