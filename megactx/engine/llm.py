@@ -139,8 +139,9 @@ class LLM:
     kernels; see megactx.engine.model_runner).
 
     num_speculative_tokens: γ, tokens the checkpoint's MTP layer drafts a step (0: no speculative
-    decoding; `megactx serve` drafts 7 by default). It stays 0 here: on the shipped megactx-tiny,
-    speculation on an H200 is slower than plain decoding (benchmarks/results/spec-nvidia-h200.md).
+    decoding; `megactx serve` drafts 7 by default). It stays 0 here: on the shipped megactx-tiny on
+    an H200, speculation gains ~1.1x at batch 1 (γ = 1-3) and loses at batch 32
+    (benchmarks/results/spec-nvidia-h200.md).
     mtp_mode: "kvshare" (IndexShare + KVShare: draft steps >= 2 reuse step 1's top-k and KV),
     "baseline" (every draft step indexes and writes its own KV), "auto" (the checkpoint's
     index_share_for_mtp_iteration). draft_acceptance: "rejection" (drafts sampled from the MTP
@@ -474,11 +475,11 @@ class LLM:
         if out.is_empty:
             return []
         self.stats.steps += 1
-        hidden = spec.forward(out.scheduled)  # [T, D]
-        emitted = spec.verify(out.scheduled, hidden, self._generators)
+        target = spec.forward(out.scheduled)
+        emitted = spec.verify(out.scheduled, target, self._generators)
         self.scheduler.postprocess(out, {seq_id: e.tokens for seq_id, e in emitted.items()})
         wanted = {item.seq.seq_id: self.scheduler.max_draft_tokens(item.seq) for item in out.scheduled if item.samples}
-        spec.propose(out.scheduled, hidden, wanted, self._generators)
+        spec.propose(out.scheduled, target, wanted, self._generators)
 
         now = time.perf_counter()
         deltas = []
