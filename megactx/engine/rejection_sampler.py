@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megactx.engine.sampler import PAD_ID, UNIFORM, RowSource, draw_rows, sample
+from megactx.engine.sampler import EXPONENTIAL, PAD_ID, UNIFORM, RowSource, draw_rows
+from megactx.kernels import reference
 
 
 @dataclass
@@ -56,18 +57,6 @@ def _leading_accepts(accept: torch.Tensor, num_drafts: torch.Tensor | None) -> t
     if num_drafts is not None:
         accept = accept & (torch.arange(accept.shape[1], device=accept.device)[None, :] < num_drafts[:, None])
     return accept.cumprod(dim=1).sum(dim=1)  # a cumulative product of bools is int64
-
-
-def _row_at(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """x: [B, N, V], index: [B] int64 in [0, N) -> x[b, index[b]] for each row b, [B, V]."""
-    return x.gather(1, index[:, None, None].expand(-1, 1, x.shape[2])).squeeze(1)
-
-
-def _emitted(draft_tokens: torch.Tensor, num_accepted: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-    """[B, K + 1]: draft_tokens[b, :a] then last[b] at column a = num_accepted[b], PAD_ID after."""
-    col = torch.arange(draft_tokens.shape[1] + 1, device=draft_tokens.device)[None, :]  # [1, K + 1]
-    tokens = torch.cat([draft_tokens, last[:, None]], dim=1).scatter_(1, num_accepted[:, None], last[:, None])
-    return tokens.masked_fill_(col > num_accepted[:, None], PAD_ID)
 
 
 def greedy_verify(target_tokens: torch.Tensor, draft_tokens: torch.Tensor,
@@ -120,26 +109,14 @@ def rejection_sample(target_probs: torch.Tensor, draft_tokens: torch.Tensor, dra
     if uniforms.shape != (bsz, width):
         raise ValueError(f"uniforms must be [B, K] = {(bsz, width)}, got {tuple(uniforms.shape)}")
 
-    drafts = draft_tokens.clamp(0, vocab - 1)  # ignored columns may hold padding
-    p_draft = target_probs[:, :width].gather(2, drafts[..., None]).squeeze(2)  # [B, K]
-    # q(d) = 1 for a draft picked deterministically, and u · 1 = u exactly: no product to take
-    scaled = uniforms if draft_probs is None else uniforms * draft_probs.gather(2, drafts[..., None]).squeeze(2)
-    num_accepted = _leading_accepts(scaled < p_draft, num_drafts)  # [B]
+    # the token after the accepted drafts races on these (as `sample` draws them)
+    noise = draw_rows(torch.empty(bsz, vocab, device=device), EXPONENTIAL, generators, shared_generator)
+    if device.type == "cuda":  # one launch where the twin's ~20 small ops would each cost host time
+        from megactx.kernels.rejection import rejection_rows
 
-    p_next = _row_at(target_probs, num_accepted)  # [B, V]: p at the first position not accepted
-    if width > 0:
-        col = num_accepted.clamp(max=width - 1)  # rows that accepted everything use p_next as is
-        if draft_probs is None:
-            # q = one-hot(d): max(p - q, 0) is p with p(d) zeroed, exactly (p - 0 = p, and p(d) <= 1:
-            # a normalised p has no entry above its sum)
-            residual = p_next.scatter(1, drafts.gather(1, col[:, None]), 0.0)
-        else:
-            residual = (p_next - _row_at(draft_probs, col)).clamp_min(0.0)
-        mass = residual.sum(dim=1, keepdim=True)
-        # No mass left means p <= q everywhere, i.e. p == q up to rounding: then a rejection had
-        # probability ~0, and p itself is the residual's limit.
-        residual = torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(mass.dtype).tiny), p_next)
-        rejected = num_accepted < (width if num_drafts is None else num_drafts)  # [B]
-        p_next = torch.where(rejected[:, None], residual, p_next)
-    last = sample(p_next, generators, shared_generator)
-    return VerifyResult(_emitted(draft_tokens, num_accepted, last), num_accepted)
+        tokens, num_accepted = rejection_rows(target_probs, draft_tokens, draft_probs, num_drafts, uniforms, noise,
+                                              PAD_ID)
+    else:
+        tokens, num_accepted = reference.rejection_rows(target_probs, draft_tokens, draft_probs, num_drafts,
+                                                        uniforms, noise, PAD_ID)
+    return VerifyResult(tokens, num_accepted)

@@ -306,3 +306,53 @@ def row_random(keys: torch.Tensor, offsets: torch.Tensor, width: int, exponentia
     u = (2 * _srl(z, 41) + 1).float() * 2.0**-24
     u = -u.log() if exponential else u
     return u if out is None else out.copy_(u)
+
+
+# ------------------------------------------------------------------------------ rejection sampling
+def rejection_rows(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+                   num_drafts: torch.Tensor | None, uniforms: torch.Tensor, noise: torch.Tensor,
+                   pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The speculative-sampling rule's arithmetic (megactx.engine.rejection_sampler explains it),
+    given its random draws.
+
+    target_probs [B, K + 1, V] fp32; draft_tokens [B, K] int64; draft_probs [B, K, V] fp32 or None
+    (q one-hot at the draft); num_drafts [B] int64 or None (every row verifies K); uniforms [B, K]
+    in [0, 1); noise [B, V] Exp(1) draws for the token after the accepted drafts (overwritten).
+    Draft j is accepted iff u_j · q_j(d) < p_j(d); the token after the a accepted drafts is the
+    exponential race argmax(r / E) over r = normalize(max(p_a - q_a, 0)) when draft a + 1 was
+    rejected, else r = p_a (all accepted: the bonus token). -> (tokens [B, K + 1] int64: the
+    accepted drafts, that token, then `pad`; num_accepted [B] int64)."""
+    bsz, num_positions, vocab = target_probs.shape
+    width = num_positions - 1
+    drafts = draft_tokens.clamp(0, vocab - 1)  # ignored columns may hold padding
+    p_draft = target_probs[:, :width].gather(2, drafts[..., None]).squeeze(2)  # [B, K]
+    # q(d) = 1 for a draft picked deterministically, and u · 1 = u exactly: no product to take
+    scaled = uniforms if draft_probs is None else uniforms * draft_probs.gather(2, drafts[..., None]).squeeze(2)
+    accept = scaled < p_draft
+    if num_drafts is not None:
+        accept = accept & (torch.arange(width, device=accept.device)[None, :] < num_drafts[:, None])
+    num_accepted = accept.cumprod(dim=1).sum(dim=1)  # [B] leading accepts (a cumprod of bools is int64)
+
+    def row_at(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:  # x[b, index[b]]: [B, V]
+        return x.gather(1, index[:, None, None].expand(-1, 1, x.shape[2])).squeeze(1)
+
+    p_next = row_at(target_probs, num_accepted)  # [B, V]: p at the first position not accepted
+    if width > 0:
+        col = num_accepted.clamp(max=width - 1)  # rows that accepted everything use p_next as is
+        if draft_probs is None:
+            # q = one-hot(d): max(p - q, 0) is p with p(d) zeroed, exactly (p - 0 = p, and p(d) <= 1:
+            # a normalised p has no entry above its sum)
+            residual = p_next.scatter(1, drafts.gather(1, col[:, None]), 0.0)
+        else:
+            residual = (p_next - row_at(draft_probs, col)).clamp_min(0.0)
+        mass = residual.sum(dim=1, keepdim=True)
+        # No mass left means p <= q everywhere, i.e. p == q up to rounding: then a rejection had
+        # probability ~0, and p itself is the residual's limit.
+        residual = torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(mass.dtype).tiny), p_next)
+        rejected = num_accepted < (width if num_drafts is None else num_drafts)  # [B]
+        p_next = torch.where(rejected[:, None], residual, p_next)
+    # the race (megactx.engine.sampler.race): E can round to 0, a tiny floor keeps p / E finite
+    last = (p_next / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+    col = torch.arange(width + 1, device=draft_tokens.device)[None, :]  # [1, K + 1]
+    tokens = torch.cat([draft_tokens, last[:, None]], dim=1).scatter_(1, num_accepted[:, None], last[:, None])
+    return tokens.masked_fill_(col > num_accepted[:, None], pad), num_accepted
