@@ -420,6 +420,24 @@ def test_warm_up_meets_every_bucket_and_leaves_the_engine_as_new(model):
             == [o.token_ids for o in cold.generate(prompts, params, use_tqdm=False)])
 
 
+@pytest.mark.usefixtures("one_torch_thread")
+def test_speculative_warm_up_captures_the_sampled_draft_loops(model):
+    """A speculative engine's warm-up also decodes sampled requests: the sampled draft loop of every
+    batch bucket is captured then, not at the first sampled request; the engine is left as new."""
+    kwargs = dict(device="cpu", max_num_seqs=4, num_blocks=40, max_num_batched_tokens=64, max_model_len=100,
+                  num_speculative_tokens=3, warm_up=False)
+    cold, warm = LLM(model, **kwargs), LLM(model, **kwargs)
+    graphs = warm.runner.use_graphs(EagerCapture(), min_keys=64)
+    warm.warm_up()
+    loops = {(bs, which) for kind, bs, _, which in (k for k in graphs.graphs if k[0] == "draft") if which != 0}
+    assert {bs for bs, which in loops if which[0] == "sampled"} == set(graphs.batch_buckets), loops
+    assert not warm.requests and warm.stats.steps == 0 and warm.stats.spec_decode.num_drafts == 0
+    prompts = _prompts([40, 3])
+    params = SamplingParams(temperature=1.0, max_tokens=9, seed=5, ignore_eos=True)
+    assert ([o.token_ids for o in warm.generate(prompts, params, use_tqdm=False)]
+            == [o.token_ids for o in cold.generate(prompts, params, use_tqdm=False)])
+
+
 @pytest.mark.parametrize("max_model_len,gamma", [(1, 0), (2, 0), (5, 0), (16, 7), (40, 3)])
 def test_warm_up_fits_any_context(model, max_model_len, gamma):
     """Contexts too short for the warm-up's usual requests (or for any request) still start."""

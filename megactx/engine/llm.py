@@ -264,10 +264,13 @@ class LLM:
         every row bucket of the mixed graphs up to the token budget; steps of the whole budget (eager
         where it exceeds the largest row bucket), once with every length a multiple of 16 and once odd
         (Triton compiles a kernel again for each class of its integer arguments: 1, multiples of 16,
-        others); and a decode step of every batch bucket. Without it the first step of each new
-        shape waits for a CUDA graph capture or a Triton compile (tens of ms to seconds), which a
-        server meets again and again as requests arrive apart. Contexts past the token budget still
-        capture their key buckets' graphs, and compile the variants of their sizes, when first met."""
+        others); and a decode step of every batch bucket, greedy, and in a speculative engine also
+        sampled at temperature 1 (its draft loop is a graph of its own, and the rejection rule a
+        kernel to compile; top-k / top-p / min-p requests' loops are captured when first met).
+        Without it the first step of each new shape waits for a CUDA graph capture or a Triton
+        compile (tens of ms to seconds), which a server meets again and again as requests arrive
+        apart. Contexts past the token budget still capture their key buckets' graphs, and compile
+        the variants of their sizes, when first met."""
         if self.max_model_len < 2:
             return  # no request fits: one prompt token and one generated
         start = time.perf_counter()
@@ -288,9 +291,13 @@ class LLM:
             sizes = [size] * (r // size) + ([r % size] if r % size else [])
             waves.append([[(len(waves) + j + t) % vocab for t in range(n)] for j, n in enumerate(sizes)])
         batches = graphs.batch_buckets if graphs else [1, self.max_num_seqs]
-        waves += [[[(3 * i + 1) % vocab] for i in range(b)] for b in batches]  # decodes of b sequences
-        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-        for w, prompts in enumerate(waves):
+        decodes = [[[(3 * i + 1) % vocab] for i in range(b)] for b in batches]  # decodes of b sequences
+        greedy = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+        waves = [(prompts, greedy) for prompts in waves + decodes]
+        if gamma:
+            waves += [(prompts, SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True))
+                      for prompts in decodes]
+        for w, (prompts, params) in enumerate(waves):
             for i, prompt in enumerate(prompts):
                 self.add_request(prompt, params, request_id=f"warm-up-{w}-{i}")
             while self.has_unfinished():
