@@ -26,11 +26,13 @@ The backbone is loaded once, and each MTP-layer variant once (assembled in a tem
 every (rung, γ) gets an engine of its own over its model, and so does the no-speculation reference
 (γ = 0, the checkpoint itself). For each batch size B: B prompts of P tokens each generate exactly
 M tokens (ignore_eos) — one untimed warm-up run, then --reps timed runs on prompts of their own
-(the same prompts for every engine). On a GPU every engine replays CUDA graphs: decode steps
-without speculation, verify and draft steps with it. Figures: the median run's
-output tokens/s (B·M / wall), the speed-up over no speculation at the same batch, and from the
-timed runs' drafts: mean acceptance length (tokens a verify emits: accepted drafts + 1) and, per
-draft position j, the fraction of drafts with a token j whose token j was accepted.
+(the same prompts for every engine; on a GPU 3 by default, so that a batch-1 figure pools the
+drafts of 3 prompts: one prompt's acceptance length swung by +-0.5 between neighbouring γ). On a
+GPU every engine replays CUDA graphs: decode steps without speculation, verify and draft steps
+with it. Figures: the median run's output tokens/s (B·M / wall), the speed-up over no
+speculation at the same batch, and from the timed runs' drafts: mean acceptance length (tokens a
+verify emits: accepted drafts + 1) and, per draft position j, the fraction of drafts with a token
+j whose token j was accepted.
 
 Prompts, windows of held-out code starting at line starts: with --data-dir (a directory prepared
 by megactx.train.data, with the tokenizer the checkpoint was trained with), of its held-out split;
@@ -145,6 +147,9 @@ def rungs_of(results: dict[str, Any]) -> tuple[Rung, ...]:
 
 
 # ------------------------------------------------------------------------------ settings
+GPU_REPS = 3  # timed runs of every (engine, batch) on a GPU by default
+
+
 @dataclass
 class Settings:
     """Sizes of a run (see the module docstring for the defaults by device)."""
@@ -171,7 +176,7 @@ class Settings:
     def defaults(cls, device: str, quick: bool) -> Settings:
         few = [1, PUBLISHED_GAMMA]
         if device == "cuda":
-            return cls(device, few, [1], 128, 64, 64) if quick else cls(device)
+            return cls(device, few, [1], 128, 64, 64) if quick else cls(device, reps=GPU_REPS)
         if quick:
             return cls(device, few, [1], 8, 8, warmup_len=2, threads=1)
         return cls(device, prompt_len=16, output_len=16, warmup_len=2, threads=1)
@@ -726,7 +731,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens a request (P)")
     p.add_argument("--output-len", type=int, default=None, help="generated tokens a request (M)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature, > 0 (default 1.0)")
-    p.add_argument("--reps", type=int, default=None, help="timed runs of every engine and batch (default 1)")
+    p.add_argument("--reps", type=int, default=None,
+                   help=f"timed runs of every engine and batch, each on prompts of its own (default {GPU_REPS} on a "
+                        "GPU, 1 with --quick or on a CPU)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and of the sampling (default 0)")
     p.add_argument("--no-greedy", dest="greedy", action="store_false",
                    help="skip the greedy runs (temperature 0, batch 1: no speculation and the top rung at every γ)")
