@@ -10,7 +10,6 @@ import torch
 from megactx import LLM, ModelConfig, SamplingParams
 from megactx.engine.model_runner import DeviceTokens, EagerCapture, StaticBatch, StepGraphs
 from megactx.model import build_model
-from megactx.model.paged import host_block_table
 
 VOCAB = 512
 
@@ -290,9 +289,8 @@ def test_static_batch_ragged_rows_of_prefill_chunks_and_decodes():
     """fill_ragged: each sequence's tokens in consecutive rows with their positions, slots (across
     block edges) and key counts; padding rows after them; sample_rows at the sampling chunks' ends."""
     batch = StaticBatch(max_seqs=4, q=1, max_blocks=4, device=torch.device("cpu"), rows=160)
-    table = host_block_table([[5, 2, 9], [7], [3]], 3)
     # a 70-token chunk from position 60 (blocks 5 -> 2 -> 9), one decode at 10, a 2-token chunk at 0
-    batch.fill_ragged(table, [60, 10, 0], [list(range(100, 170)), [7], [8, 9]], rows=96, samples=[1, 2])
+    batch.fill_ragged([[5, 2, 9], [7], [3]], [60, 10, 0], [list(range(100, 170)), [7], [8, 9]], rows=96, samples=[1, 2])
     view = batch.view(3, 256, rows=96)
     positions = list(range(60, 130)) + [10, 0, 1]
     assert view.positions.tolist() == positions + [0] * 23

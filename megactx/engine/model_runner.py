@@ -63,7 +63,7 @@ from megactx.model.paged import (
     host_block_table,
     kernel_ops,
     slots_of_range,
-    to_device,
+    to_device_packed,
 )
 from megactx.model.transformer import Transformer
 
@@ -174,12 +174,10 @@ class ModelRunner:
         ids = [t for item in scheduled for t in item.seq.token_ids[item.start : item.end]]
         batch = PagedBatch.build([item.seq.block_table for item in scheduled], [item.start for item in scheduled],
                                  [item.num_tokens for item in scheduled], self.device)
-        ends = torch.tensor([item.num_tokens for item in scheduled]).cumsum(0) - 1
-        rows = ends[[i for i, item in enumerate(scheduled) if item.samples]]
-        input_ids = to_device(ids, self.device, torch.long)
-        if device_tokens is not None:
-            device_tokens.put(input_ids)
-        return input_ids[None], batch, to_device(rows, self.device)
+        ends = np.cumsum([item.num_tokens for item in scheduled]) - 1
+        rows = ends[[i for i, item in enumerate(scheduled) if item.samples]].astype(np.int64)
+        input_ids, rows_d = input_ids_on_device(ids, device_tokens, self.device, rows)
+        return input_ids[None], batch, rows_d
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq], device_tokens: DeviceTokens | None = None) -> torch.Tensor:
@@ -216,11 +214,18 @@ class DeviceTokens:
     positions: list[int]
     values: torch.Tensor  # [J] int64 on the device
 
-    def put(self, input_ids: torch.Tensor, rows: Sequence[int] | None = None) -> None:
-        """Write them into input_ids [rows] (device); rows: [T] host ints, the row of each of the
-        step's tokens (a graph's static layout), None when token t sits in row t."""
-        at = self.positions if rows is None else [rows[p] for p in self.positions]
-        input_ids.index_copy_(0, to_device(at, input_ids.device), self.values)
+
+
+def input_ids_on_device(ids: Sequence[int], device_tokens: DeviceTokens | None, device: torch.device,
+                        *more: np.ndarray) -> list[torch.Tensor]:
+    """A step's token ids [T] int64 on `device` with the device's tokens put in their places (token
+    t in row t), and the host arrays `more`, in one copy -> [input_ids, *more on the device]."""
+    at = device_tokens.positions if device_tokens is not None else []
+    input_ids, rows, *rest = to_device_packed([np.array(ids, dtype=np.int64), np.array(at, dtype=np.int64), *more],
+                                              device)
+    if device_tokens is not None:
+        input_ids.index_copy_(0, rows, device_tokens.values)
+    return [input_ids, *rest]
 
 
 # ---------------------------------------------------------------------------------- graphs
@@ -329,7 +334,8 @@ class StaticBatch:
         self.buffers = StagedBuffers({
             "rows64": ((3, n), torch.long),  # token, position, slot of each row
             "rows32": ((2, n), torch.int32),  # sequence, key count of each row
-            "put": ((n,), torch.long),  # rows of the tokens fill() puts in place from the device
+            "put": ((n,), torch.long),  # rows of the tokens a fill puts in place from the device
+            "sample_rows": ((max_seqs,), torch.long),  # ragged: rows that sample
             **(extra or {})}, device)
         self._rows64, self._rows32 = self.buffers.device["rows64"], self.buffers.device["rows32"]
         self.input_ids, self.positions, self.slots = self._rows64  # [n] views
@@ -339,9 +345,9 @@ class StaticBatch:
         if not self.ragged:
             host["rows32"][0] = np.repeat(np.arange(max_seqs, dtype=np.int32), q)
         self.buffers.send()
-        self.sample_rows = torch.zeros(max_seqs, dtype=torch.long, device=device)  # ragged: rows that sample
+        self.sample_rows = self.buffers.device["sample_rows"]
         self.block_table = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, device=device)
-        self._tables: list[list[int]] | None = None  # what block_table's first rows hold (fill)
+        self._tables: list[list[int]] | None = None  # what block_table's first rows hold (_send)
 
     def view(self, bsz: int, max_keys: int, rows: int | None = None) -> PagedBatch:
         """The metadata of the first bsz sequences' rows (ragged: of the first `rows` rows); max_keys
@@ -385,9 +391,17 @@ class StaticBatch:
         rows64[:, :m] = (ids, pos, slots)
         key_lens[:m] = key_len
         rows64[:2, m:], rows64[2, m:], key_lens[m:] = 0, -1, 0  # the rows past the bucket are padding too
+        self._send(tables, device_tokens, rows)
+        return rows
+
+    def _send(self, tables: Sequence[Sequence[int]], device_tokens: DeviceTokens | None,
+              rows: Sequence[int] | None = None) -> None:
+        """After a fill wrote the host twin: the twin in one copy, the device's tokens put in their
+        rows (token p of the step in rows[p]; None: in row p), and the block table, copied only when
+        a sequence's table changed (once in 64 tokens)."""
         if device_tokens is not None:
-            at = [rows[p] for p in device_tokens.positions]
-            host["put"][: len(at)] = at
+            at = device_tokens.positions if rows is None else [rows[p] for p in device_tokens.positions]
+            self.buffers.host()["put"][: len(at)] = at
         self.buffers.send()
         if device_tokens is not None:
             self.input_ids.index_copy_(0, self.buffers.device["put"][: len(at)], device_tokens.values)
@@ -396,20 +410,19 @@ class StaticBatch:
             table = host_block_table(tables, len(tables))
             copy_from_host_(self.block_table[: len(tables), : table.shape[1]], table)
             self._tables = [list(t) for t in tables]
-        return rows
 
-    def fill_ragged(self, table: torch.Tensor, starts: Sequence[int], token_ids: Sequence[Sequence[int]],
-                    rows: int, samples: Sequence[int]) -> None:
+    def fill_ragged(self, tables: Sequence[Sequence[int]], starts: Sequence[int], token_ids: Sequence[Sequence[int]],
+                    rows: int, samples: Sequence[int], device_tokens: DeviceTokens | None = None) -> None:
         """The ragged form of fill(): sequence b's tokens take the next len(token_ids[b]) rows, the
-        rows after the last sequence's up to `rows` (the row bucket) are padding; sample_rows[j]
-        is the last row of sequence samples[j] (the chunks whose last token samples)."""
+        rows after the last sequence's are padding; sample_rows[j] is the last row of sequence
+        samples[j] (the chunks whose last token samples); rows: the row bucket."""
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         seq: list[int] = []
         key_len: list[int] = []
         last = []  # each sequence's last row
-        for b, (start, toks, blocks) in enumerate(zip(starts, token_ids, table.tolist())):
+        for b, (start, toks, blocks) in enumerate(zip(starts, token_ids, tables)):
             n = len(toks)
             ids.extend(toks)
             pos.extend(range(start, start + n))
@@ -419,15 +432,13 @@ class StaticBatch:
             last.append(len(ids) - 1)
         n = len(ids)
         assert self.ragged and n <= rows <= self.input_ids.shape[0], f"{n} tokens in a batch of {rows} rows"
-        pad = rows - n
-        longs = np.array((ids + [0] * pad, pos + [0] * pad, slots + [-1] * pad), dtype=np.int64)
-        copy_from_host_(self._rows64[:, :rows], torch.from_numpy(longs))
-        copy_from_host_(self._rows32[:, :rows], torch.from_numpy(np.array((seq + [0] * pad, key_len + [0] * pad),
-                                                                          dtype=np.int32)))
-        copy_from_host_(self.block_table[: table.shape[0], : table.shape[1]], table)
-        sample_rows = [last[j] for j in samples]
-        sample_rows += [0] * (self.sample_rows.shape[0] - len(sample_rows))
-        copy_from_host_(self.sample_rows, torch.from_numpy(np.array(sample_rows, dtype=np.int64)))
+        host = self.buffers.host()
+        rows64, rows32, sample_rows = host["rows64"], host["rows32"], host["sample_rows"]
+        rows64[:, :n], rows32[:, :n] = (ids, pos, slots), (seq, key_len)
+        rows64[:2, n:], rows64[2, n:], rows32[:, n:] = 0, -1, 0  # padding rows
+        sample_rows[: len(samples)] = [last[j] for j in samples]
+        sample_rows[len(samples) :] = 0
+        self._send(tables, device_tokens)  # ragged rows: token t sits in row t
 
 
 class StepGraphs:
@@ -538,9 +549,7 @@ class StepGraphs:
             return None
         batch = self.static_batch("mixed", 1, self.row_buckets[-1])
         graph = self.captured(("mixed", rows, keys), lambda: self._mixed(batch, rows, keys), batch.clear)
-        batch.fill_ragged(host_block_table(tables, len(tables)), starts, token_ids, rows, samples)
-        if device_tokens is not None:  # ragged rows: token t sits in row t
-            device_tokens.put(batch.input_ids)
+        batch.fill_ragged(tables, starts, token_ids, rows, samples, device_tokens)
         graph.replay()
         return graph.outputs[: len(samples)]
 

@@ -61,7 +61,7 @@ import numpy as np
 import torch
 
 from megactx.config import ModelConfig
-from megactx.engine.model_runner import DeviceTokens
+from megactx.engine.model_runner import DeviceTokens, input_ids_on_device
 from megactx.engine.rejection_sampler import draw_uniforms, greedy_verify, rejection_sample
 from megactx.engine.sampler import (
     PAD_ID,
@@ -230,11 +230,7 @@ def forward_positions(runner: ModelRunner, scheduled: Sequence[ScheduledSeq],
         ids += item.seq.token_ids[item.start : item.end] + [0] * item.num_draft_tokens
     batch = PagedBatch.build([item.seq.block_table for item in scheduled], [item.start for item in scheduled],
                              [item.num_positions for item in scheduled], runner.device)
-    at = drafts.positions if drafts is not None else []
-    input_ids, draft_rows = to_device_packed([np.array(ids, dtype=np.int64), np.array(at, dtype=np.int64)],
-                                             runner.device)  # one copy
-    if drafts is not None:
-        input_ids.index_copy_(0, draft_rows, drafts.values)
+    (input_ids,) = input_ids_on_device(ids, drafts, runner.device)  # one copy
     hidden = runner.model.hidden_states(input_ids[None], batch.positions[None], runner.layer_caches(batch))[0]
     return hidden, input_ids
 
