@@ -51,14 +51,6 @@ def _check_drafts(num_positions: int, draft_tokens: torch.Tensor, num_drafts: to
         raise ValueError(f"num_drafts must be [B={bsz}], got {tuple(num_drafts.shape)}")
 
 
-def _leading_accepts(accept: torch.Tensor, num_drafts: torch.Tensor | None) -> torch.Tensor:
-    """accept: [B, K] bool -> [B] int64, how many leading entries of each row are True, counting only
-    the first num_drafts[b] of row b (None: all K)."""
-    if num_drafts is not None:
-        accept = accept & (torch.arange(accept.shape[1], device=accept.device)[None, :] < num_drafts[:, None])
-    return accept.cumprod(dim=1).sum(dim=1)  # a cumulative product of bools is int64
-
-
 def greedy_verify(target_tokens: torch.Tensor, draft_tokens: torch.Tensor,
                   num_drafts: torch.Tensor | None = None) -> VerifyResult:
     """The greedy rule. target_tokens: [B, K + 1] int64, the target's argmax at each verified
@@ -66,7 +58,7 @@ def greedy_verify(target_tokens: torch.Tensor, draft_tokens: torch.Tensor,
     int64 in [0, K], None when every row verifies K drafts."""
     _check_drafts(target_tokens.shape[1], draft_tokens, num_drafts)
     width = draft_tokens.shape[1]
-    num_accepted = _leading_accepts(draft_tokens == target_tokens[:, :width], num_drafts)
+    num_accepted = reference.leading_accepts(draft_tokens == target_tokens[:, :width], num_drafts)
     # the accepted drafts are the target's tokens, and so is the one after them: row b emits
     # target_tokens[b, :a + 1]
     col = torch.arange(width + 1, device=draft_tokens.device)[None, :]  # [1, K + 1]

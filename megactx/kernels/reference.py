@@ -309,6 +309,14 @@ def row_random(keys: torch.Tensor, offsets: torch.Tensor, width: int, exponentia
 
 
 # ------------------------------------------------------------------------------ rejection sampling
+def leading_accepts(accept: torch.Tensor, num_drafts: torch.Tensor | None) -> torch.Tensor:
+    """accept: [B, K] bool -> [B] int64, how many leading entries of each row are True, counting only
+    the first num_drafts[b] of row b (None: all K)."""
+    if num_drafts is not None:
+        accept = accept & (torch.arange(accept.shape[1], device=accept.device)[None, :] < num_drafts[:, None])
+    return accept.cumprod(dim=1).sum(dim=1)  # a cumulative product of bools is int64
+
+
 def rejection_rows(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
                    num_drafts: torch.Tensor | None, uniforms: torch.Tensor, noise: torch.Tensor,
                    pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -328,10 +336,7 @@ def rejection_rows(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft
     p_draft = target_probs[:, :width].gather(2, drafts[..., None]).squeeze(2)  # [B, K]
     # q(d) = 1 for a draft picked deterministically, and u · 1 = u exactly: no product to take
     scaled = uniforms if draft_probs is None else uniforms * draft_probs.gather(2, drafts[..., None]).squeeze(2)
-    accept = scaled < p_draft
-    if num_drafts is not None:
-        accept = accept & (torch.arange(width, device=accept.device)[None, :] < num_drafts[:, None])
-    num_accepted = accept.cumprod(dim=1).sum(dim=1)  # [B] leading accepts (a cumprod of bools is int64)
+    num_accepted = leading_accepts(scaled < p_draft, num_drafts)  # [B]
 
     def row_at(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:  # x[b, index[b]]: [B, V]
         return x.gather(1, index[:, None, None].expand(-1, 1, x.shape[2])).squeeze(1)

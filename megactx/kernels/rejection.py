@@ -26,6 +26,18 @@ TINY = tl.constexpr(1.1754943508222875e-38)  # torch.finfo(torch.float32).tiny
 
 
 @triton.jit
+def _residual_block(p_row, q_row, v, V, q_len, d_col, HAS_Q: tl.constexpr):
+    """Entries v of p at the row's next position, and of max(p - q, 0) there (one-hot q: p with the
+    draft d_col zeroed); q is read at v < q_len only (none unless a draft was rejected)."""
+    p = tl.load(p_row + v, mask=v < V, other=0.0)
+    if HAS_Q:
+        r = tl.maximum(p - tl.load(q_row + v, mask=v < q_len, other=0.0), 0.0)
+    else:
+        r = tl.where(v == d_col, 0.0, p)
+    return p, r
+
+
+@triton.jit
 def _rejection_kernel(p_ptr, q_ptr, draft_ptr, nd_ptr, u_ptr, noise_ptr, tok_ptr, nacc_ptr,
                       K, V, pad,
                       stride_pb, stride_pj, stride_qb, stride_qj, stride_db, stride_ub, stride_eb, stride_tb,
@@ -58,30 +70,21 @@ def _rejection_kernel(p_ptr, q_ptr, draft_ptr, nd_ptr, u_ptr, noise_ptr, tok_ptr
     drafts = tl.load(draft_ptr + b * stride_db + cols, mask=cols < K, other=0)
     d_col = tl.minimum(tl.maximum(tl.sum(tl.where(cols == col, drafts, 0), 0), 0), V - 1)
     offs = tl.arange(0, BLOCK_V)
+    q_len = tl.where(rejected, V, 0)
     mass = tl.zeros([BLOCK_V], tl.float32)
     if rejected:
         for v0 in range(0, V, BLOCK_V):
-            v = v0 + offs
-            p = tl.load(p_row + v, mask=v < V, other=0.0)
-            if HAS_Q:
-                r = tl.maximum(p - tl.load(q_row + v, mask=v < V, other=0.0), 0.0)
-            else:
-                r = tl.where(v == d_col, 0.0, p)
+            _, r = _residual_block(p_row, q_row, v0 + offs, V, q_len, d_col, HAS_Q)
             mass += r
     total = tl.sum(mass, 0)
     use_residual = rejected & (total > 0)
     denom = tl.maximum(total, TINY)
-    q_len = tl.where(use_residual, V, 0)  # entries of q read below
     # 3. the race argmax(r / E): the first of the largest, as torch.argmax
     best = tl.full([], float("-inf"), tl.float32)
     best_at = tl.zeros([], tl.int64)
     for v0 in range(0, V, BLOCK_V):
         v = v0 + offs
-        p = tl.load(p_row + v, mask=v < V, other=0.0)
-        if HAS_Q:  # q only where it is read: a row of K = 0 has none
-            r = tl.maximum(p - tl.load(q_row + v, mask=v < q_len, other=0.0), 0.0)
-        else:
-            r = tl.where(v == d_col, 0.0, p)
+        p, r = _residual_block(p_row, q_row, v, V, q_len, d_col, HAS_Q)
         r = tl.where(use_residual, tl.math.div_rn(r, denom), p)  # IEEE division, as torch's
         e = tl.maximum(tl.load(noise_ptr + b * stride_eb + v, mask=v < V, other=1.0), TINY)
         x = tl.where(v < V, tl.math.div_rn(r, e), float("-inf"))
