@@ -14,6 +14,7 @@ import dataclasses
 import pytest
 import torch
 
+from megactx.kernels import reference as ref
 from megactx.kernels.topk import TopkConfig, TopkPlan, topk_rows
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -189,6 +190,28 @@ def test_row_stride_and_out_buffer():
     _check(logits, 32, None, got)
 
 
+@pytest.mark.parametrize("path", ["fused", "split", "direct", "overflow"])
+def test_slots_through_a_block_table(path):
+    """With a block table the selection writes physical slots (block · 64 + offset of each row's
+    sequence), exactly the twin's positions mapped by `logical_to_slots`, -1 kept, on every path
+    (rows from the buffer, a row of <= candidates keys, the overflow fallback)."""
+    gen = torch.Generator().manual_seed(11)
+    T, L, k = 5, 64 if path == "direct" else 1000, 40
+    logits = torch.randn(T, L, generator=gen)
+    key_len = torch.tensor([L, 0, 30, L - 7, 3 * L // 4], dtype=torch.int32)
+    seq_idx = torch.tensor([2, 0, 1, 2, 0], dtype=torch.int32)
+    width = -(-L // ref.BLOCK_SIZE)
+    table = torch.randperm(3 * width + 5, generator=gen)[: 3 * width].view(3, width).int()
+    cfg = PLANS["split" if path == "split" else "fused"]
+    if path == "overflow":
+        cfg = dataclasses.replace(cfg, candidates=k, row_pivots=4)
+    got = topk_rows(logits.to(DEVICE), k, key_len.to(DEVICE), block_table=table.to(DEVICE),
+                    seq_idx=seq_idx.to(DEVICE), config=cfg).cpu()
+    want = ref.logical_to_slots(table, seq_idx, ref.topk_rows(logits, k, key_len)).int()
+    assert torch.equal(got.sort(dim=1).values, want.sort(dim=1).values)
+    assert torch.equal(ref.topk_rows(logits, k, key_len, block_table=table, seq_idx=seq_idx), want)
+
+
 def test_no_rows_or_no_k():
     assert topk_rows(torch.zeros(0, 10, device=DEVICE), 5).shape == (0, 5)
     assert topk_rows(torch.zeros(3, 10, device=DEVICE), 0).shape == (3, 0)
@@ -205,6 +228,9 @@ def test_no_rows_or_no_k():
     (lambda x: topk_rows(x, 4, config=TopkConfig(block=100)), "block"),
     (lambda x: topk_rows(x, 4, config=TopkConfig(programs_per_row=3)), "programs_per_row"),
     (lambda x: topk_rows(x, 10_000), "k = 10000"),
+    (lambda x: topk_rows(x, 4, block_table=torch.zeros(1, 1, dtype=torch.int32, device=x.device)), "together"),
+    (lambda x: topk_rows(x, 4, block_table=torch.zeros(1, 1, dtype=torch.int64, device=x.device),
+                         seq_idx=torch.zeros(2, dtype=torch.int32, device=x.device)), "block_table must be int32"),
 ])
 def test_bad_arguments_are_refused(bad, match):
     with pytest.raises(ValueError, match=match):

@@ -194,10 +194,22 @@ def logical_to_slots(block_table: torch.Tensor, seq_idx: torch.Tensor, positions
     return slots.masked_fill(positions < 0, -1)
 
 
-def topk_rows(logits: torch.Tensor, k: int, key_len: torch.Tensor | None = None) -> torch.Tensor:
+def topk_rows(logits: torch.Tensor, k: int, key_len: torch.Tensor | None = None, out: torch.Tensor | None = None,
+              *, block_table: torch.Tensor | None = None, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
     """logits: [T, L] fp32 (-inf = not a candidate); key_len: [T] or None, only the first key_len[t]
     entries of row t are candidates -> logical key positions [T, k] int32, -1 where the row has
-    fewer than k candidates; ties go to the lowest position. Order within a row is unspecified."""
+    fewer than k candidates; ties go to the lowest position. Order within a row is unspecified.
+    With block_table and seq_idx: physical slots instead (`logical_to_slots`). out: [T, k] int32
+    to write into (returned)."""
+    pos = _topk_positions(logits, k, key_len)
+    if block_table is not None:
+        pos = logical_to_slots(block_table, seq_idx, pos).int()
+    if out is None:
+        return pos
+    return out.copy_(pos)
+
+
+def _topk_positions(logits: torch.Tensor, k: int, key_len: torch.Tensor | None) -> torch.Tensor:
     if key_len is not None:
         cols = torch.arange(logits.shape[-1], device=logits.device)
         logits = logits.masked_fill(cols >= key_len[:, None], float("-inf"))
@@ -240,8 +252,9 @@ def chunked_topk(logits_fn, topk_fn, q: torch.Tensor, w: torch.Tensor, index_cac
         if max_keys <= 0:
             continue  # no row of the chunk sees a key
         logits = logits_fn(q[rows], w[rows], index_cache, block_table, seq_idx[rows], key_len[rows], max_keys)
-        pos = topk_fn(logits, min(k, max_keys), key_len[rows])  # [chunk, <= k] logical, -1 = none
-        out[rows, : pos.shape[1]] = logical_to_slots(block_table, seq_idx[rows], pos).int()
+        # slots [chunk, <= k], -1 = none, written in place
+        topk_fn(logits, min(k, max_keys), key_len[rows], out[rows, : min(k, max_keys)],
+                block_table=block_table, seq_idx=seq_idx[rows])
     return out
 
 

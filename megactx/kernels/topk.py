@@ -46,10 +46,12 @@ import triton
 import triton.language as tl
 
 from megactx.kernels.common import INTERPRET, check_device
+from megactx.kernels.reference import BLOCK_SIZE
 
 # Key of -inf: masked-off and invisible elements load as -inf and are never selected.
 NEG_KEY = tl.constexpr(-2139095041)  # (0xFF800000 ^ 0x7FFFFFFF) as int32
 INT32_MAX = tl.constexpr(2**31 - 1)
+PAGE = tl.constexpr(BLOCK_SIZE)  # keys a block of the paged cache
 
 
 # ------------------------------------------------------------------------------ building blocks
@@ -165,14 +167,14 @@ def _collect_tile(row_ptr, s0, end, tau, buf_key_ptr, buf_idx_ptr, counter_ptr, 
 
 @triton.jit
 def _collect(row_ptr, n, first, stride, tau, buf_key_ptr, buf_idx_ptr, counter_ptr, cap,
-             BLOCK: tl.constexpr, SUB: tl.constexpr, ATOMIC: tl.constexpr):
+             BLOCK: tl.constexpr, SUB: tl.constexpr, ATOMIC: tl.constexpr, STAGES: tl.constexpr):
     """Append the elements with key >= tau of the tiles row[first + i·stride:][:BLOCK] (clipped to n)
     to the buffer -> how many there were (all of them, also past `cap`). ATOMIC: several programs
     share the buffer and reserve space through counter_ptr; else this program owns it and appends
     in position order."""
     count = tl.zeros([], tl.int32)
     full = _full_steps(n, first, stride, BLOCK)
-    for i in range(0, full):
+    for i in tl.range(0, full, num_stages=STAGES):
         count = _collect_tile(row_ptr, first + i * stride, n, tau, buf_key_ptr, buf_idx_ptr, counter_ptr, count,
                               cap, BLOCK, SUB, False, ATOMIC)
     if first + full * stride < n:
@@ -212,6 +214,23 @@ def _narrow(lo, hi, c_lo, c_above, piv, cnt, k):
 
 
 @triton.jit
+def _table_row(table_ptr, seq_ptr, t, stride_bt, HAS_TABLE: tl.constexpr):
+    """Row t's block table: table[seq[t]] (unread without a table)."""
+    if HAS_TABLE:
+        table_ptr += tl.load(seq_ptr + t).to(tl.int64) * stride_bt
+    return table_ptr
+
+
+@triton.jit
+def _store_picked(out_ptr, slot, pos, mask, table_ptr, HAS_TABLE: tl.constexpr):
+    """out[slot] = pos, or with a block table (one sequence's row) the physical slot of key pos:
+    table[pos // 64] · 64 + pos % 64."""
+    if HAS_TABLE:
+        pos = tl.load(table_ptr + pos // PAGE, mask=mask, other=0) * PAGE + pos % PAGE
+    tl.store(out_ptr + slot, pos, mask=mask)
+
+
+@triton.jit
 def _pad(out_ptr, written, k, BLOCK: tl.constexpr):
     """out[written:k] = -1."""
     offs = tl.arange(0, BLOCK)
@@ -221,9 +240,11 @@ def _pad(out_ptr, written, k, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _select_tile(keys, idx, out_ptr, k, PIVOTS: tl.constexpr, BLOCK_OUT: tl.constexpr):
+def _select_tile(keys, idx, out_ptr, k, table_ptr, PIVOTS: tl.constexpr, BLOCK_OUT: tl.constexpr,
+                 HAS_TABLE: tl.constexpr):
     """Exact top-k of one register tile of candidates: keys [N] int32 (NEG_KEY = none), idx [N]
-    their positions. Writes the k (or all, if fewer) selected positions to out[0:k], -1 after."""
+    their positions. Writes the k (or all, if fewer) selected positions (slots, with a table) to
+    out[0:k], -1 after."""
     finite = keys > NEG_KEY
     count = tl.sum(finite.to(tl.int32))
     theta = tl.full([], NEG_KEY, tl.int32)  # with <= k candidates every finite key is selected
@@ -251,13 +272,13 @@ def _select_tile(keys, idx, out_ptr, k, PIVOTS: tl.constexpr, BLOCK_OUT: tl.cons
                     first = mid + 1
     take = (finite & ((keys > theta) | ((keys == theta) & (idx <= last_tie)))).to(tl.int32)
     slot = tl.cumsum(take, 0) - take
-    tl.store(out_ptr + slot, idx, mask=take > 0)
+    _store_picked(out_ptr, slot, idx, take > 0, table_ptr, HAS_TABLE)
     _pad(out_ptr, tl.sum(take), k, BLOCK_OUT)
 
 
 @triton.jit
-def _select_stream(row_ptr, n, tau, kmax, count, out_ptr, k, BLOCK: tl.constexpr, PIVOTS: tl.constexpr,
-                   COUNT_BLOCK: tl.constexpr):
+def _select_stream(row_ptr, n, tau, kmax, count, out_ptr, k, table_ptr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr,
+                   COUNT_BLOCK: tl.constexpr, HAS_TABLE: tl.constexpr):
     """Exact top-k of row[0:n] when its candidates overflowed the buffer: count(key >= tau) = count
     > k, no key above kmax. Narrows [tau, kmax] with PIVOTS counts per read of the row (COUNT_BLOCK
     elements a step, so that the [COUNT_BLOCK, PIVOTS] comparison fits in registers), then writes
@@ -285,37 +306,38 @@ def _select_stream(row_ptr, n, tau, kmax, count, out_ptr, k, BLOCK: tl.constexpr
         rank = ties + tl.cumsum(tie, 0) - tie  # ties met so far, in position order
         take = ((keys > lo) | ((tie > 0) & (rank < need))).to(tl.int32)
         slot = written + tl.cumsum(take, 0) - take
-        tl.store(out_ptr + slot, pos, mask=take > 0)
+        _store_picked(out_ptr, slot, pos, take > 0, table_ptr, HAS_TABLE)
         written += tl.sum(take)
         ties += tl.sum(tie)
     _pad(out_ptr, written, k, BLOCK)
 
 
 @triton.jit
-def _select_row(row_ptr, n, buf_key_ptr, buf_idx_ptr, count, tau, kmax, out_ptr, k, cap,
+def _select_row(row_ptr, n, buf_key_ptr, buf_idx_ptr, count, tau, kmax, out_ptr, k, cap, table_ptr,
                 CAP_PAD: tl.constexpr, BLOCK: tl.constexpr, TILE_PIVOTS: tl.constexpr, ROW_PIVOTS: tl.constexpr,
-                COUNT_BLOCK: tl.constexpr):
+                COUNT_BLOCK: tl.constexpr, HAS_TABLE: tl.constexpr):
     """Step 3 for one row: from the row itself (n <= cap), the buffer (count <= cap), or the fallback."""
     offs = tl.arange(0, CAP_PAD)
     if n <= cap:
         keys = _key(tl.load(row_ptr + offs, mask=offs < n, other=float("-inf")))
-        _select_tile(keys, offs, out_ptr, k, TILE_PIVOTS, BLOCK)
+        _select_tile(keys, offs, out_ptr, k, table_ptr, TILE_PIVOTS, BLOCK, HAS_TABLE)
     elif count <= cap:
         ok = offs < count
         keys = tl.load(buf_key_ptr + offs, mask=ok, other=NEG_KEY)
         idx = tl.load(buf_idx_ptr + offs, mask=ok, other=0)
-        _select_tile(keys, idx, out_ptr, k, TILE_PIVOTS, BLOCK)
+        _select_tile(keys, idx, out_ptr, k, table_ptr, TILE_PIVOTS, BLOCK, HAS_TABLE)
     else:
-        _select_stream(row_ptr, n, tau, kmax, count, out_ptr, k, BLOCK, ROW_PIVOTS, COUNT_BLOCK)
+        _select_stream(row_ptr, n, tau, kmax, count, out_ptr, k, table_ptr, BLOCK, ROW_PIVOTS, COUNT_BLOCK, HAS_TABLE)
 
 
 # ------------------------------------------------------------------------------ kernels
 @triton.jit
-def _topk_fused_kernel(logits_ptr, key_len_ptr, out_ptr, buf_key_ptr, buf_idx_ptr,
-                       L, stride_t, stride_o, k, cap,
-                       HAS_KEY_LEN: tl.constexpr, ROWS: tl.constexpr, GROUPS: tl.constexpr, BLOCK: tl.constexpr,
-                       SUB: tl.constexpr, CAP_PAD: tl.constexpr, PREFIX_BITS: tl.constexpr, TILE_PIVOTS: tl.constexpr,
-                       ROW_PIVOTS: tl.constexpr, COUNT_BLOCK: tl.constexpr):
+def _topk_fused_kernel(logits_ptr, key_len_ptr, out_ptr, buf_key_ptr, buf_idx_ptr, table_ptr, seq_ptr,
+                       L, stride_t, stride_o, stride_bt, k, cap,
+                       HAS_KEY_LEN: tl.constexpr, HAS_TABLE: tl.constexpr, ROWS: tl.constexpr, GROUPS: tl.constexpr,
+                       BLOCK: tl.constexpr, SUB: tl.constexpr, CAP_PAD: tl.constexpr, PREFIX_BITS: tl.constexpr,
+                       TILE_PIVOTS: tl.constexpr, ROW_PIVOTS: tl.constexpr, COUNT_BLOCK: tl.constexpr,
+                       STAGES: tl.constexpr):
     """One program per row: group maxima, threshold, collect, select."""
     t = tl.program_id(0).to(tl.int64)
     n = _row_len(key_len_ptr, t, L, HAS_KEY_LEN)
@@ -329,12 +351,13 @@ def _topk_fused_kernel(logits_ptr, key_len_ptr, out_ptr, buf_key_ptr, buf_idx_pt
         gkeys = _group_maxima(row, n, 0, GROUPS, ROWS, GROUPS)
         tau = _lower_bound(gkeys, k, PREFIX_BITS)
         kmax = tl.max(gkeys)
-        count = _collect(row, n, 0, BLOCK, tau, buf_key, buf_idx, buf_key, cap, BLOCK, SUB, False)
+        count = _collect(row, n, 0, BLOCK, tau, buf_key, buf_idx, buf_key, cap, BLOCK, SUB, False, STAGES)
     # The select step reads back buffer entries other warps of this program stored: without a
     # barrier some reads saw stale memory (a few rows in a thousand went wrong on an H200).
     tl.debug_barrier()
     _select_row(row, n, buf_key, buf_idx, count, tau, kmax, out_ptr + t * stride_o, k, cap,
-                CAP_PAD, BLOCK, TILE_PIVOTS, ROW_PIVOTS, COUNT_BLOCK)
+                _table_row(table_ptr, seq_ptr, t, stride_bt, HAS_TABLE), CAP_PAD, BLOCK, TILE_PIVOTS, ROW_PIVOTS,
+                COUNT_BLOCK, HAS_TABLE)
 
 
 # The split plan: per-row state [T, 4] int32 = (tau, kmax, candidate count, unused).
@@ -370,7 +393,7 @@ def _threshold_kernel(key_len_ptr, maxima_ptr, state_ptr, L, k, cap,
 
 @triton.jit
 def _collect_kernel(logits_ptr, key_len_ptr, state_ptr, buf_key_ptr, buf_idx_ptr, L, stride_t, cap,
-                    HAS_KEY_LEN: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr):
+                    HAS_KEY_LEN: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, STAGES: tl.constexpr):
     """Program (t, s): append the candidates of tiles s, s + S, s + 2 S, ... of row t to its buffer
     (interleaved, so that the programs of a causal row's share stay even)."""
     t = tl.program_id(0).to(tl.int64)
@@ -379,13 +402,13 @@ def _collect_kernel(logits_ptr, key_len_ptr, state_ptr, buf_key_ptr, buf_idx_ptr
     if n > cap:
         state = state_ptr + t * 4
         _collect(logits_ptr + t * stride_t, n, s * BLOCK, tl.num_programs(1) * BLOCK, tl.load(state),
-                 buf_key_ptr + t * cap, buf_idx_ptr + t * cap, state + 2, cap, BLOCK, SUB, True)
+                 buf_key_ptr + t * cap, buf_idx_ptr + t * cap, state + 2, cap, BLOCK, SUB, True, STAGES)
 
 
 @triton.jit
-def _select_kernel(logits_ptr, key_len_ptr, state_ptr, buf_key_ptr, buf_idx_ptr, out_ptr,
-                   L, stride_t, stride_o, k, cap,
-                   HAS_KEY_LEN: tl.constexpr, CAP_PAD: tl.constexpr, BLOCK: tl.constexpr,
+def _select_kernel(logits_ptr, key_len_ptr, state_ptr, buf_key_ptr, buf_idx_ptr, out_ptr, table_ptr, seq_ptr,
+                   L, stride_t, stride_o, stride_bt, k, cap,
+                   HAS_KEY_LEN: tl.constexpr, HAS_TABLE: tl.constexpr, CAP_PAD: tl.constexpr, BLOCK: tl.constexpr,
                    TILE_PIVOTS: tl.constexpr, ROW_PIVOTS: tl.constexpr, COUNT_BLOCK: tl.constexpr):
     """Program t: step 3 for row t."""
     t = tl.program_id(0).to(tl.int64)
@@ -393,7 +416,8 @@ def _select_kernel(logits_ptr, key_len_ptr, state_ptr, buf_key_ptr, buf_idx_ptr,
     state = state_ptr + t * 4
     _select_row(logits_ptr + t * stride_t, n, buf_key_ptr + t * cap, buf_idx_ptr + t * cap,
                 tl.load(state + 2), tl.load(state), tl.load(state + 1), out_ptr + t * stride_o, k, cap,
-                CAP_PAD, BLOCK, TILE_PIVOTS, ROW_PIVOTS, COUNT_BLOCK)
+                _table_row(table_ptr, seq_ptr, t, stride_bt, HAS_TABLE), CAP_PAD, BLOCK, TILE_PIVOTS, ROW_PIVOTS,
+                COUNT_BLOCK, HAS_TABLE)
 
 
 # ------------------------------------------------------------------------------ host side
@@ -408,6 +432,8 @@ class TopkConfig:
     max_tile: elements a step of the group-maxima pass loads (at least the program's groups).
         Streaming loads are not pipelined by Triton, so a step's size sets the bytes in flight.
     num_warps: warps a program.
+    stages: tiles of the collect pass in flight in a program (Triton's software pipelining of
+        the loop's loads; 1 = none).
     candidates: candidate buffer entries per row (>= k; the select step holds them in registers);
         None = max(512, 2 k rounded up to a power of two). Rows with at most this many keys skip the
         first two steps.
@@ -425,6 +451,7 @@ class TopkConfig:
     sub_block: int | None = None
     max_tile: int | None = None
     num_warps: int | None = None
+    stages: int | None = None
     candidates: int | None = None
     groups: int | None = None
     programs_per_row: int | None = None
@@ -442,10 +469,17 @@ class TopkConfig:
     # 1.59 ms) — 2.6x faster than torch.topk. With the split plan's atomic collect (one read, no
     # scan), 1024-element tiles beat 2048 / 4096 / 8192 on 4096 x 128K causal (1.90 / 2.00 / 3.02 /
     # 3.86 ms; the fused plan 3.38) and on 1024 x 128K (0.57 / 0.61 / 0.86 / 1.03; fused 0.91).
-    FUSED = MappingProxyType(dict(block=4096, sub_block=2048, max_tile=8192, num_warps=8))
-    SPLIT = MappingProxyType(dict(block=1024, max_tile=4096, num_warps=4))  # no sub_block: its collect has no scan
+    # Its loop of tiles then waited on each tile's loads (and its atomics) before loading the next:
+    # pipelined 3 deep it takes 1.62 ms (512-element tiles; 1024: 1.66, 1 / 2 / 4 / 6 deep 1.90 /
+    # 1.74 / 1.73 / 1.74), and 1024 x 512K 1.50 -> 1.26 ms. Pipelining the group-maxima pass (its
+    # steps already load 4096 elements) changed nothing, nor did it help the fused plan (slower).
+    FUSED = MappingProxyType(dict(block=4096, sub_block=2048, max_tile=8192, num_warps=8, stages=1))
+    # no sub_block: its collect has no scan
+    SPLIT = MappingProxyType(dict(block=512, max_tile=4096, num_warps=4, stages=3))
     PROGRAMS_PER_SM = 4
-    MIN_SEGMENT = 16384  # elements a program of the split plan, at the least
+    # Elements a program of the split plan, at the least: 4096 x 16K causal chunks took 0.55 ms split
+    # in two (pipelined collect) against 0.69 fused.
+    MIN_SEGMENT = 8192
     # Programs a row once rows are long enough for two segments, however many rows: the split plan's
     # atomic collect reads a row once, the fused plan's ordered one also scans it (H200, 4096 x 128K
     # causal chunk: 2.8 ms split, 3.4 fused, before the atomic collect).
@@ -478,6 +512,7 @@ class TopkPlan:
     sub_block: int
     count_block: int  # elements a step of the fallback's counts
     num_warps: int
+    stages: int  # collect tiles in flight a program
 
     @staticmethod
     def make(T: int, L: int, k: int, cfg: TopkConfig, device: torch.device) -> TopkPlan:
@@ -504,7 +539,7 @@ class TopkPlan:
             split = 1  # every row is selected directly: nothing to split
         split = min(split, groups)  # at least one group maximum a program
         knobs = {**(cfg.FUSED if split == 1 else cfg.SPLIT),
-                 **{name: getattr(cfg, name) for name in ("block", "sub_block", "max_tile", "num_warps")
+                 **{name: getattr(cfg, name) for name in ("block", "sub_block", "max_tile", "num_warps", "stages")
                     if getattr(cfg, name) is not None}}
         for name in ("block", "sub_block", "max_tile", "tile_pivots", "row_pivots"):
             if knobs.get(name, getattr(cfg, name)) is not None:
@@ -514,11 +549,13 @@ class TopkPlan:
         seg_groups = groups // split
         return TopkPlan(cap=cap, cap_pad=triton.next_power_of_2(cap), groups=groups, split=split, seg_groups=seg_groups,
                         rows=max(1, knobs["max_tile"] // seg_groups), block=block, sub_block=sub_block,
-                        count_block=max(cfg.MIN_COUNT_BLOCK, block // cfg.row_pivots), num_warps=knobs["num_warps"])
+                        count_block=max(cfg.MIN_COUNT_BLOCK, block // cfg.row_pivots), num_warps=knobs["num_warps"],
+                        stages=knobs["stages"])
 
 
 def topk_rows(logits: torch.Tensor, k: int, key_len: torch.Tensor | None = None, out: torch.Tensor | None = None,
-              *, config: TopkConfig | None = None) -> torch.Tensor:
+              *, block_table: torch.Tensor | None = None, seq_idx: torch.Tensor | None = None,
+              config: TopkConfig | None = None) -> torch.Tensor:
     """Exact top-k positions of every row (twin: reference.topk_rows).
 
     logits: [T, L] fp32, any row stride, last dim contiguous; -inf = not a candidate, NaN not
@@ -526,6 +563,9 @@ def topk_rows(logits: torch.Tensor, k: int, key_len: torch.Tensor | None = None,
     candidates (None = all L; clamped to [0, L]). out: optional [T, k] int32 to write into (last dim
     contiguous). Returns out: [T, k] int32 positions of the k largest candidates of each row, in no
     particular order; a row with fewer than k finite candidates lists them all and then -1s.
+    block_table [S, max_blocks] int32 and seq_idx [T] (row t's keys are those of sequence
+    seq_idx[t]): out holds the physical slots of the selected keys instead (block · 64 + offset,
+    `reference.logical_to_slots`), written by the selection itself.
     The selected values are those of torch.topk; among values equal to the k-th largest, the lowest
     positions are taken. No host syncs (CUDA-graph capturable). Scratch per call: ~2·candidates
     int32 a row (plus `groups` a row when rows are split over programs)."""
@@ -545,7 +585,13 @@ def topk_rows(logits: torch.Tensor, k: int, key_len: torch.Tensor | None = None,
     elif out.shape != (T, k) or out.dtype != torch.int32 or (k > 1 and out.stride(1) != 1):
         raise ValueError(f"out must be int32 [{T}, {k}] with a contiguous last dim, got {out.dtype} "
                          f"{tuple(out.shape)} strides {out.stride()}")
-    check_device(logits, out, *(() if key_len is None else (key_len,)))
+    if (block_table is None) != (seq_idx is None):
+        raise ValueError("pass block_table and seq_idx together (positions -> physical slots), or neither")
+    if block_table is not None and (block_table.dim() != 2 or block_table.dtype != torch.int32
+                                    or block_table.stride(1) != 1 or seq_idx.shape != (T,)):
+        raise ValueError(f"block_table must be int32 [S, max_blocks] with a contiguous last dim and seq_idx [{T}]; "
+                         f"got {block_table.dtype} {tuple(block_table.shape)} and {tuple(seq_idx.shape)}")
+    check_device(logits, out, *(t for t in (key_len, block_table, seq_idx) if t is not None))
     if T == 0 or k == 0:
         return out
 
@@ -556,6 +602,9 @@ def topk_rows(logits: torch.Tensor, k: int, key_len: torch.Tensor | None = None,
     buffer_rows = T if L > plan.cap else 1  # rows of <= cap keys never touch the buffer
     buf_key = torch.empty(buffer_rows, plan.cap, dtype=torch.int32, device=logits.device)
     buf_idx = torch.empty_like(buf_key)
+    has_table = block_table is not None
+    table, seq = (block_table, seq_idx) if has_table else (out, out)  # unread without HAS_TABLE
+    stride_bt = block_table.stride(0) if has_table else 0
     common = dict(HAS_KEY_LEN=has_key_len, num_warps=plan.num_warps)
     tile_pivots = cfg.tile_pivots or (cfg.INTERPRETER_TILE_PIVOTS if INTERPRET else 1)
     select = dict(CAP_PAD=plan.cap_pad, BLOCK=plan.block, TILE_PIVOTS=tile_pivots, ROW_PIVOTS=cfg.row_pivots,
@@ -563,8 +612,9 @@ def topk_rows(logits: torch.Tensor, k: int, key_len: torch.Tensor | None = None,
 
     if plan.split == 1:
         _topk_fused_kernel[(T,)](
-            logits, key_len, out, buf_key, buf_idx, L, logits.stride(0), out.stride(0), k, plan.cap,
-            ROWS=plan.rows, GROUPS=plan.groups, SUB=plan.sub_block, PREFIX_BITS=cfg.PREFIX_BITS, **select, **common)
+            logits, key_len, out, buf_key, buf_idx, table, seq, L, logits.stride(0), out.stride(0), stride_bt, k,
+            plan.cap, HAS_TABLE=has_table, ROWS=plan.rows, GROUPS=plan.groups, SUB=plan.sub_block,
+            PREFIX_BITS=cfg.PREFIX_BITS, STAGES=plan.stages, **select, **common)
         return out
 
     maxima = torch.empty(T, plan.groups, dtype=torch.int32, device=logits.device)
@@ -576,9 +626,9 @@ def topk_rows(logits: torch.Tensor, k: int, key_len: torch.Tensor | None = None,
                             PREFIX_BITS=cfg.PREFIX_BITS, **common)
     _collect_kernel[(T, plan.split)](
         logits, key_len, state, buf_key, buf_idx, L, logits.stride(0), plan.cap,
-        BLOCK=plan.block, SUB=plan.sub_block, **common)
-    _select_kernel[(T,)](logits, key_len, state, buf_key, buf_idx, out, L, logits.stride(0), out.stride(0),
-                         k, plan.cap, **select, **common)
+        BLOCK=plan.block, SUB=plan.sub_block, STAGES=plan.stages, **common)
+    _select_kernel[(T,)](logits, key_len, state, buf_key, buf_idx, out, table, seq, L, logits.stride(0), out.stride(0),
+                         stride_bt, k, plan.cap, HAS_TABLE=has_table, **select, **common)
     return out
 
 
