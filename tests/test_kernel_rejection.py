@@ -1,4 +1,4 @@
-"""The one-launch acceptance rule of speculative sampling (`megactx.kernels.rejection`) against its
+"""The acceptance rule of speculative sampling in two launches (`megactx.kernels.rejection`) against its
 twin `reference.rejection_rows`, given the same random draws. Without a GPU the kernel runs in the
 Triton interpreter (set by conftest); a subprocess also compiles it for sm_90."""
 
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from megactx.kernels import reference as ref
+from megactx.kernels import rejection as rej
 from megactx.kernels.rejection import rejection_rows
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -50,6 +51,23 @@ def test_rejection_rows_match_twin(V, K, q, nd):
     ref_tokens, ref_accepted = ref.rejection_rows(p, drafts, qp, num_drafts, u, noise.clone(), PAD)
     assert torch.equal(accepted, ref_accepted)
     assert torch.equal(tokens, ref_tokens)
+
+
+@pytest.mark.parametrize("q,nd", [(True, True), (False, False)], ids=["q-nd", "onehot"])
+def test_rejection_rows_over_vocabulary_slices(q, nd):
+    # A vocabulary of several slices (the race split over programs, then a second launch): the
+    # same tokens as the twin; and where every entry of a row ties, the first of the vocabulary wins.
+    V = 3 * rej.MIN_SLICE_STEPS * rej.BLOCK_V + 5  # 4 slices at this batch
+    p, drafts, qp, num_drafts, u, noise = _case(9, 3, V, q=q, nd=nd, seed=17)
+    tokens, accepted = rejection_rows(p, drafts, qp, num_drafts, u, noise, PAD)
+    ref_tokens, ref_accepted = ref.rejection_rows(p, drafts, qp, num_drafts, u, noise.clone(), PAD)
+    assert torch.equal(accepted, ref_accepted)
+    assert torch.equal(tokens, ref_tokens)
+    flat = torch.full((2, 1, V), 1.0 / V, device=DEVICE)
+    none = torch.zeros(2, 0, dtype=torch.long, device=DEVICE)
+    uniforms, noise = torch.zeros(2, 0, device=DEVICE), torch.ones(2, V, device=DEVICE)
+    tokens, _ = rejection_rows(flat, none, None, None, uniforms, noise, PAD)
+    assert tokens.tolist() == [[0], [0]]
 
 
 def test_rejection_rows_read_strided_rows():
@@ -93,35 +111,37 @@ def test_rejection_rows_refuse_bad_inputs():
 
 
 def test_rejection_kernel_builds_for_sm90():
-    # Any machine: compile the kernel for sm_90 (ptxas ships with Triton), with and without q and
+    # Any machine: compile both kernels for sm_90 (ptxas ships with Triton), with and without q and
     # num_drafts. In a subprocess: the interpreter that conftest turns on without a GPU cannot compile.
     code = """
 import json, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from megactx.kernels import rejection as r
-fn = r._rejection_kernel
+INT64 = ("draft_ptr", "nd_ptr", "tok_ptr", "nacc_ptr")
+CONSTS = {"HAS_Q": False, "HAS_ND": False, "BLOCK_V": 1024, "BLOCK_K": 8, "BLOCK_S": 64, "ONE_SLICE": False}
 ok = []
-for has_q in (False, True):
-    for has_nd in (False, True):
-        sig = {}
-        for name in fn.arg_names:
-            if name.endswith("_ptr"):
-                sig[name] = "*i64" if name in ("draft_ptr", "nd_ptr", "tok_ptr", "nacc_ptr") else "*fp32"
-            elif name in ("HAS_Q", "HAS_ND", "BLOCK_V", "BLOCK_K"):
-                sig[name] = "constexpr"
-            else:
-                sig[name] = "i32"
-        consts = {"HAS_Q": has_q, "HAS_ND": has_nd, "BLOCK_V": 1024, "BLOCK_K": 8}
-        k = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32))
-        ok.append(len(k.asm["cubin"]) > 0)
+for fn in (r._race_kernel, r._emit_kernel):
+    for has_q in (False, True):
+        for has_nd in (False, True):
+            sig, consts = {}, {}
+            for name in fn.arg_names:
+                if name.endswith("_ptr"):
+                    sig[name] = "*i64" if name in INT64 else "*i32" if name == "at_ptr" else "*fp32"
+                elif name in CONSTS:
+                    sig[name] = "constexpr"
+                    consts[name] = {"HAS_Q": has_q, "HAS_ND": has_nd, "ONE_SLICE": has_nd}.get(name, CONSTS[name])
+                else:
+                    sig[name] = "i32"
+            k = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32))
+            ok.append(len(k.asm["cubin"]) > 0)
 print(json.dumps(ok))
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == [True] * 4
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [True] * 8
 
 
 @pytest.mark.gpu

@@ -103,7 +103,7 @@ def rejection_sample(target_probs: torch.Tensor, draft_tokens: torch.Tensor, dra
 
     # the token after the accepted drafts races on these (as `sample` draws them)
     noise = draw_rows(torch.empty(bsz, vocab, device=device), EXPONENTIAL, generators, shared_generator)
-    if device.type == "cuda":  # one launch where the twin's ~20 small ops would each cost host time
+    if device.type == "cuda":  # two launches where the twin's ~20 small ops would each cost host time
         from megactx.kernels.rejection import rejection_rows
 
         tokens, num_accepted = rejection_rows(target_probs, draft_tokens, draft_probs, num_drafts, uniforms, noise,

@@ -340,8 +340,8 @@ def rejection_rows(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft
     (q one-hot at the draft); num_drafts [B] int64 or None (every row verifies K); uniforms [B, K]
     in [0, 1); noise [B, V] Exp(1) draws for the token after the accepted drafts (overwritten).
     Draft j is accepted iff u_j · q_j(d) < p_j(d); the token after the a accepted drafts is the
-    exponential race argmax(r / E) over r = normalize(max(p_a - q_a, 0)) when draft a + 1 was
-    rejected, else r = p_a (all accepted: the bonus token). -> (tokens [B, K + 1] int64: the
+    exponential race argmax(r / E), a sample of normalize(r), over r = max(p_a - q_a, 0) when draft
+    a + 1 was rejected, else r = p_a (all accepted: the bonus token). -> (tokens [B, K + 1] int64: the
     accepted drafts, that token, then `pad`; num_accepted [B] int64)."""
     bsz, num_positions, vocab = target_probs.shape
     width = num_positions - 1
@@ -363,10 +363,10 @@ def rejection_rows(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft
             residual = p_next.scatter(1, drafts.gather(1, col[:, None]), 0.0)
         else:
             residual = (p_next - row_at(draft_probs, col)).clamp_min(0.0)
-        mass = residual.sum(dim=1, keepdim=True)
-        # No mass left means p <= q everywhere, i.e. p == q up to rounding: then a rejection had
-        # probability ~0, and p itself is the residual's limit.
-        residual = torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(mass.dtype).tiny), p_next)
+        # The race below draws from normalize(residual) without normalising it (argmax(r / E) is that
+        # of any positive multiple of r); no mass left means p <= q everywhere, i.e. p == q up to
+        # rounding: then a rejection had probability ~0, and p itself is the residual's limit.
+        residual = torch.where(residual.amax(dim=1, keepdim=True) > 0, residual, p_next)
         rejected = num_accepted < (width if num_drafts is None else num_drafts)  # [B]
         p_next = torch.where(rejected[:, None], residual, p_next)
     # the race (megactx.engine.sampler.race): E can round to 0, a tiny floor keeps p / E finite
