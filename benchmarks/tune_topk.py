@@ -76,14 +76,16 @@ def sweep(plan: TopkPlan) -> list[TopkConfig]:
     out = [base]
     variants = {
         "num_warps": [4, 8, 16],
-        "block": [4096, 8192, 16384],
+        "block": [512, 1024, 4096, 8192],
+        "stages": [1, 2, 3, 4],
         "max_tile": [4096, 8192, 16384, 32768],
         "sub_block": [512, 1024, 2048],
         "groups": [4096, 8192, 16384],
         "tile_pivots": [1, 2, 4],
         "candidates": [4096, 8192],
     }
-    current = {"num_warps": plan.num_warps, "block": plan.block, "max_tile": plan.rows * plan.seg_groups,
+    current = {"num_warps": plan.num_warps, "block": plan.block, "stages": plan.stages,
+               "max_tile": plan.rows * plan.seg_groups,
                "sub_block": plan.sub_block, "groups": plan.groups, "tile_pivots": base.tile_pivots,
                "candidates": plan.cap}
     for knob, values in variants.items():
@@ -95,8 +97,8 @@ def sweep(plan: TopkPlan) -> list[TopkConfig]:
 
 def describe(plan: TopkPlan) -> str:
     kind = "fused" if plan.split == 1 else f"split x{plan.split}"
-    return (f"{kind:9s} warps={plan.num_warps:<2d} block={plan.block:<5d} sub={plan.sub_block:<4d} "
-            f"tile={plan.rows * plan.seg_groups:<5d} groups={plan.groups:<5d} cand={plan.cap}")
+    return (f"{kind:9s} warps={plan.num_warps:<2d} block={plan.block:<5d} stages={plan.stages} "
+            f"sub={plan.sub_block:<4d} tile={plan.rows * plan.seg_groups:<5d} groups={plan.groups:<5d} cand={plan.cap}")
 
 
 def values_match(logits: torch.Tensor, got: torch.Tensor, rows: int = 64) -> bool:
