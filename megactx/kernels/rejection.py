@@ -14,9 +14,9 @@ race's leader among the residual entries and among p's (the residual's mass deci
 only at the end: whether any residual entry is > 0); a second launch, one program a row, takes the
 leaders of the slices and writes the row of emitted tokens (a vocabulary of at most 8 steps is
 one slice, whose program writes the row itself: one launch). One program a row streaming the row
-itself was latency-bound: 575 us at a GLM-size vocabulary (151,552) on an H200, 48-115 us split. The draws come in
-as tensors (drawn by `megactx.engine.sampler.draw_rows`, as the twin takes them), so kernel and
-twin see the same randomness and emit the same tokens.
+itself was latency-bound: 575 us at a GLM-size vocabulary (151,552) on an H200, 48-115 us split.
+The draws come in as tensors (drawn by `megactx.engine.sampler.draw_rows`, as the twin takes
+them), so kernel and twin see the same randomness and emit the same tokens.
 """
 
 from __future__ import annotations
