@@ -252,9 +252,8 @@ def chunked_topk(logits_fn, topk_fn, q: torch.Tensor, w: torch.Tensor, index_cac
         if max_keys <= 0:
             continue  # no row of the chunk sees a key
         logits = logits_fn(q[rows], w[rows], index_cache, block_table, seq_idx[rows], key_len[rows], max_keys)
-        # slots [chunk, <= k], -1 = none, written in place
-        topk_fn(logits, min(k, max_keys), key_len[rows], out[rows, : min(k, max_keys)],
-                block_table=block_table, seq_idx=seq_idx[rows])
+        kept = min(k, max_keys)  # slots [chunk, kept], -1 = none, written in place
+        topk_fn(logits, kept, key_len[rows], out[rows, :kept], block_table=block_table, seq_idx=seq_idx[rows])
     return out
 
 

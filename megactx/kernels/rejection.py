@@ -37,14 +37,21 @@ MIN_SLICE_STEPS = 8
 
 
 @triton.jit
-def _accepted(p_ptr, q_ptr, draft_ptr, nd_ptr, u_ptr, b, K, V,
-              stride_pb, stride_pj, stride_qb, stride_qj, stride_db, stride_ub,
-              HAS_Q: tl.constexpr, HAS_ND: tl.constexpr):
-    """Row b's leading accepts -> (n_acc, the drafts it verifies: nd)."""
+def _num_drafts(nd_ptr, b, K, HAS_ND: tl.constexpr):
+    """The drafts row b verifies: num_drafts[b], or K for every row."""
     if HAS_ND:
         nd = tl.load(nd_ptr + b).to(tl.int32)
     else:
         nd = tl.zeros([], tl.int32) + K
+    return nd
+
+
+@triton.jit
+def _accepted(p_ptr, q_ptr, draft_ptr, nd_ptr, u_ptr, b, K, V,
+              stride_pb, stride_pj, stride_qb, stride_qj, stride_db, stride_ub,
+              HAS_Q: tl.constexpr, HAS_ND: tl.constexpr):
+    """Row b's leading accepts -> (n_acc, the drafts it verifies: nd)."""
+    nd = _num_drafts(nd_ptr, b, K, HAS_ND)
     n_acc = tl.zeros([], tl.int32)
     going = tl.full([], 1, tl.int32)
     for j in range(0, K):
@@ -139,10 +146,7 @@ def _emit_kernel(draft_ptr, nd_ptr, lead_ptr, at_ptr, nacc_ptr, tok_ptr, K, V, p
     """Program b: the race's winner over row b's slices, and the row of emitted tokens."""
     b = tl.program_id(0).to(tl.int64)
     n_acc = tl.load(nacc_ptr + b).to(tl.int32)
-    if HAS_ND:
-        nd = tl.load(nd_ptr + b).to(tl.int32)
-    else:
-        nd = tl.zeros([], tl.int32) + K
+    nd = _num_drafts(nd_ptr, b, K, HAS_ND)
     sl = tl.arange(0, BLOCK_S)
     ok = sl < num_slices
     row = b * num_slices + sl

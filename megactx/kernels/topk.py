@@ -430,7 +430,7 @@ class TopkConfig:
     sub_block: tile of the heavy part (scan and scattered stores) of the fused plan's collect pass
         (the split plan's atomic collect has none: it does not read this knob).
     max_tile: elements a step of the group-maxima pass loads (at least the program's groups).
-        Streaming loads are not pipelined by Triton, so a step's size sets the bytes in flight.
+        That loop is not pipelined (it did not help), so a step's size sets the bytes in flight.
     num_warps: warps a program.
     stages: tiles of the collect pass in flight in a program (Triton's software pipelining of
         the loop's loads; 1 = none).
