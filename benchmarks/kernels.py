@@ -172,6 +172,7 @@ class Kernels:
     indexer_logits: Callable[..., torch.Tensor]
     indexer_topk_chunked: Callable[..., torch.Tensor]
     sparse_mla: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    read_rows: Callable[..., torch.Tensor]  # a bound, not a kernel under test: `benchmarks.bounds`
 
 
 def load_kernels(device: str) -> Kernels:
@@ -187,7 +188,10 @@ def load_kernels(device: str) -> Kernels:
                            "start the CPU run with TRITON_INTERPRET=1 in the environment")
     if device != "cpu" and common.INTERPRET:
         raise RuntimeError("TRITON_INTERPRET=1 is set: unset it to time the compiled kernels on the GPU")
-    return Kernels(kv_write.write_kv, indexer.indexer_logits, indexer.indexer_topk_chunked, sparse_mla.sparse_mla)
+    from benchmarks import bounds
+
+    return Kernels(kv_write.write_kv, indexer.indexer_logits, indexer.indexer_topk_chunked, sparse_mla.sparse_mla,
+                   bounds.read_rows)
 
 
 # ------------------------------------------------------------------------------ the run
@@ -455,7 +459,8 @@ class KernelBench:
 
     def sparse_decode(self, L: int) -> None:
         """Sparse MLA for one query row of each of `batch` sequences at context L (bf16 and FP8
-        caches), and its plain-PyTorch peer on the bf16 cache."""
+        caches); on the bf16 cache its plain-PyTorch peer and the bytes bound: a read of the same rows
+        alone."""
         pos = realistic_topk(torch.full((self.s.batch,), L - 1, device=self.dev), self.g.topk, 1, self.gen)
         for fp8 in self._kv_variants():
             self._sparse_decode_one(L, pos, fp8)
@@ -479,6 +484,8 @@ class KernelBench:
             self._timed("plain.sparse.decode", L,
                         lambda: plain_sparse_mla(q, flat, slots, g.softmax_scale, g.kv_lora_rank),
                         g.sparse_flops(keys), keys * row, "bf16_mm", detail, graph=True)
+            self._timed("bound.read.decode", L, lambda: self.k.read_rows(flat, slots), None, keys * row, None,
+                        detail, graph=True)
 
     # -------------------------------------------------------------------------- dense peer
     def sdpa(self, L: int) -> None:

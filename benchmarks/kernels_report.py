@@ -56,6 +56,7 @@ LABELS = {
     "plain.indexer.decode+topk": "peer: plain torch indexer + top-k, decode",
     "plain.sparse.decode": "peer: plain torch sparse attention, decode",
     "sdpa.prefill": "peer: dense SDPA, prefill",
+    "bound.read.decode": "bound: read of the decode's rows alone (bf16 KV, no math)",
 }
 CEILING_LABELS = {"bf16_mm": "bf16 mm", "fp8_mm": "FP8 mm"}
 
@@ -166,7 +167,8 @@ def evaluate_targets(results: dict[str, Any], groups: list[dict[str, Any]]) -> l
             if bound == "memory":
                 rows.append(_target(t, m.context, f"{m.gbps:.0f} GB/s = {100 * m.gbps / c.copy:.0f}% of copy",
                                     f">= {DECODE_COPY_FRACTION * c.copy:.0f} GB/s (memory-bound)",
-                                    m.gbps >= DECODE_COPY_FRACTION * c.copy))
+                                    m.gbps >= DECODE_COPY_FRACTION * c.copy,
+                                    _read_bound_note(fig.get("bound.read.decode", m.context), m, c)))
             else:
                 rows.append(_target(t, m.context, f"{m.tflops:.0f} TFLOP/s",
                                     f">= {DECODE_TFLOPS:.0f} TFLOP/s (compute-bound)", m.tflops >= DECODE_TFLOPS))
@@ -192,6 +194,14 @@ def evaluate_targets(results: dict[str, Any], groups: list[dict[str, Any]]) -> l
             text = " → ".join(f"{fmt_context(L)}: {r:.2f}x" for L, r in series)
             rows.append(_target(f"ratio {what} grows with context", None, text, "increasing", grows))
     return rows
+
+
+def _read_bound_note(read: Measurement | None, m: Measurement, c: Ceilings) -> str:
+    """What the rows' reading alone reaches, beside a memory-bound decode figure (the same bytes)."""
+    if read is None or read.gbps is None or m.bytes != read.bytes:
+        return ""
+    return (f"a read of the same rows alone, no math: {read.gbps:.0f} GB/s = {100 * read.gbps / c.copy:.0f}% of "
+            f"copy; the kernel takes {m.time_s / read.time_s:.2f}x its time")
 
 
 def _method_note(method: str) -> str:
@@ -273,10 +283,12 @@ def render_markdown(results: dict[str, Any], groups: list[dict[str, Any]], targe
     for L in fig.contexts:
         ti, pi = fig.get("indexer.decode.logits+topk", L), fig.get("plain.indexer.decode+topk", L)
         ts, ps = fig.get("sparse_mla.decode.bf16", L), fig.get("plain.sparse.decode", L)
+        rd = fig.get("bound.read.decode", L)
         rows.append([fmt_context(L), *(_marked(x and x.time_s, x and x.method) for x in (ti, pi)), _speedup(pi, ti),
-                     *(_marked(x and x.time_s, x and x.method) for x in (ts, ps)), _speedup(ps, ts)])
+                     *(_marked(x and x.time_s, x and x.method) for x in (ts, ps)), _speedup(ps, ts),
+                     _marked(rd and rd.time_s, rd and rd.method), _speedup(ts, rd)])
     out.append(md_table(["context", "indexer + top-k, Triton", "plain torch", "speed-up", "sparse MLA (bf16), Triton",
-                         "plain torch", "speed-up"], rows))
+                         "plain torch", "speed-up", "read of its rows alone", "sparse MLA / read"], rows))
 
     G = g["group_layers"]
     out.append(f"\n## One layer group: 1 full + {G - 1} shared layers, prefill\n")
@@ -353,7 +365,8 @@ def plot(results: dict[str, Any], groups: list[dict[str, Any]], path: Path) -> b
     ax2.set(xscale="log", xlabel="context (tokens)", ylabel="TFLOP/s", title="Prefill, one layer")
 
     for name, style in (("indexer.decode.logits", "o-"), ("sparse_mla.decode.bf16", "s-"),
-                        ("sparse_mla.decode.fp8", "s--"), ("write_kv.bf16", "v:"), ("write_kv.fp8", "v--")):
+                        ("sparse_mla.decode.fp8", "s--"), ("bound.read.decode", "k-."), ("write_kv.bf16", "v:"),
+                        ("write_kv.fp8", "v--")):
         ms = [m for m in fig_data.named(name) if m.gbps is not None]
         if ms:
             series(ax3, [m.context for m in ms], [m.gbps for m in ms], [m.method for m in ms], LABELS[name], style)

@@ -255,6 +255,28 @@ def test_bad_cpu_arguments_are_refused_by_name(argv, needle, capsys):
     assert needle in capsys.readouterr().err
 
 
+def test_the_read_bound_reads_exactly_the_selected_rows():
+    # benchmarks.bounds.read_rows: each program's checksum is the wrapping int32 sum of its rows'
+    # words; -1 slots add nothing. Rows of 288 words (GLM's bf16 576) take the head + tail path.
+    from benchmarks.bounds import ROWS, read_rows
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=dev).manual_seed(0)
+    rows = torch.randn(50, 576, generator=gen, device=dev).to(torch.bfloat16)
+    slots = torch.randint(0, 50, (3, 7), generator=gen, device=dev, dtype=torch.int32)
+    slots[1, 2:4] = -1
+    got = read_rows(rows, slots)
+    words = rows.view(torch.int32).long()  # [50, 288]
+    flat = slots.flatten().long()
+    per_row = torch.where(flat >= 0, words[flat.clamp_min(0)].sum(1), 0)
+    per_row = torch.nn.functional.pad(per_row, (0, got.numel() * ROWS - flat.numel()))
+    want = per_row.view(-1, ROWS).sum(1)
+    wrapped = ((want + 2**31) % 2**32 - 2**31).to(torch.int32)
+    assert torch.equal(got, wrapped)
+    with pytest.raises(ValueError, match="int32"):
+        read_rows(rows, slots.long())
+
+
 # ------------------------------------------------------------------------------ whole runs
 def _check_run(out_dir, device_slug, contexts, fp8):
     results = json.loads((out_dir / f"kernels-{device_slug}.json").read_text())
@@ -262,7 +284,7 @@ def _check_run(out_dir, device_slug, contexts, fp8):
     names = ["write_kv.bf16", "indexer.logits", "indexer.logits+topk", "indexer.decode.logits",
              "indexer.decode.logits+topk", "sparse_mla.prefill.bf16", "sparse_mla.decode.bf16",
              "plain.indexer+topk", "plain.sparse.prefill", "plain.indexer.decode+topk", "plain.sparse.decode",
-             "sdpa.prefill"]
+             "sdpa.prefill", "bound.read.decode"]
     if fp8:
         names += ["write_kv.fp8", "sparse_mla.prefill.fp8", "sparse_mla.decode.fp8"]
     assert {(n, L) for n in names for L in contexts} <= got
