@@ -4,7 +4,8 @@ machine's ceilings and against the same work done by dense SDPA and by plain PyT
 Per context L it times: the paged KV write of an L-token prefill; the lightning indexer's logits
 and logits + top-k over a causal prefill of L queries (in query chunks) and over a decode batch at
 context L; sparse MLA prefill and decode (bf16 and FP8 caches); their plain-PyTorch peers; dense
-SDPA on the expanded heads. From those it composes one IndexShare layer group (1 indexer + 4
+SDPA on the expanded heads; and a read of exactly the rows bf16 decode gathers, with no math (the
+bytes bound its memory-bound target is judged against). From those it composes one IndexShare layer group (1 indexer + 4
 sparse attentions) against every layer running its own indexer and against dense attention, and
 checks the issue's targets. The decode figures (indexer and sparse MLA, ours and the plain peer) are
 CUDA graph replays, as the engine runs decode: eager launches would add ~10 µs of launch overhead
