@@ -76,6 +76,14 @@ def _lead(x, v, best, best_at, V):
 
 
 @triton.jit
+def _use_residual(n_acc, nd, r_max):
+    """Whether the next token is drawn from the residual: after a rejection, unless the residual has
+    no mass (p <= q everywhere, i.e. p == q up to rounding: a rejection had probability ~0 and p is
+    the residual's limit)."""
+    return (n_acc < nd) & (r_max > 0)
+
+
+@triton.jit
 def _emit_row(draft_ptr, tok_ptr, b, stride_db, stride_tb, n_acc, token, K, pad, BLOCK_K: tl.constexpr):
     """Row b's emitted tokens: its drafts before n_acc, the token at n_acc, pad after."""
     cols = tl.arange(0, BLOCK_K)
@@ -126,7 +134,7 @@ def _race_kernel(p_ptr, q_ptr, draft_ptr, nd_ptr, u_ptr, noise_ptr, lead_ptr, at
         r_best, r_at = _lead(tl.where(inside, tl.math.div_rn(r, e), float("-inf")), v, r_best, r_at, V)
         p_best, p_at = _lead(tl.where(inside, tl.math.div_rn(p, e), float("-inf")), v, p_best, p_at, V)
     if ONE_SLICE:
-        token = tl.where(rejected & (r_max > 0), r_at, p_at)  # the residual unless it has no mass (_emit_kernel)
+        token = tl.where(_use_residual(n_acc, nd, r_max), r_at, p_at)
         _emit_row(draft_ptr, tok_ptr, b, stride_db, stride_tb, n_acc, token, K, pad, BLOCK_K)
         tl.store(nacc_ptr + b, n_acc.to(tl.int64))
         return
@@ -153,9 +161,7 @@ def _emit_kernel(draft_ptr, nd_ptr, lead_ptr, at_ptr, nacc_ptr, tok_ptr, K, V, p
     r_best = tl.load(lead_ptr + row * 3, mask=ok, other=float("-inf"))
     p_best = tl.load(lead_ptr + row * 3 + 1, mask=ok, other=float("-inf"))
     r_max = tl.max(tl.load(lead_ptr + row * 3 + 2, mask=ok, other=0.0), 0)
-    # after a rejection the residual, unless it has no mass (p <= q everywhere, i.e. p == q up to
-    # rounding: a rejection had probability ~0 and p is the residual's limit)
-    use_residual = (n_acc < nd) & (r_max > 0)
+    use_residual = _use_residual(n_acc, nd, r_max)
     best = tl.where(use_residual, r_best, p_best)
     at = tl.load(at_ptr + row * 2 + tl.where(use_residual, 0, 1), mask=ok, other=0)
     top = tl.max(best, 0)
