@@ -1,7 +1,8 @@
 """Tune the sparse MLA kernels (`megactx.kernels.sparse_mla`) on a GPU.
 
-Times every candidate kernel ("triton", the portable one, and "sm90", the hand-pipelined Hopper
-one) with its tiling / pipeline depth, and for decode every split-K count, at GLM-5.2 attention
+Times every candidate kernel ("triton", the portable one, "sm90", the hand-pipelined Hopper one, and
+"sm90ws", its warp-specialized variant) with its tiling / pipeline depth, and for decode every
+split-K count, at GLM-5.2 attention
 geometry (H = 64 heads, r = 512 latent + 64 rope, top-k 2048, a paged cache of 1M
 tokens), for:
 
@@ -25,15 +26,17 @@ same rows (what gathering them alone costs) and, for decode, the plain-PyTorch t
 FLOPs are counted as 2·T·H·K·(576 + 512) and bytes as T·K·row (1152 B bf16, 656 B FP8), whether
 or not a row was already in L2; `triton.testing.do_bench` flushes L2 before every run.
 
-Usage (CUDA; about 3-4 minutes on an H200, much of it compilation):
+Usage (CUDA; about 3-4 minutes on an H200 before the "sm90ws" candidates came, much of it
+compilation; timings past --budget-s are skipped and marked so):
 
-    python -m benchmarks.tune_sparse_mla [--out benchmarks/results] [--budget-s 230]
+    python -m benchmarks.tune_sparse_mla [--out benchmarks/results] [--budget-s 300]
     python -m benchmarks.tune_sparse_mla --static   # any machine: shared memory / registers / spills
 
 Prints one table a case, the best configuration of each case and, per case, the best "triton"
-against the best "sm90" launch, and writes `tune_sparse_mla.json` and `tune_sparse_mla.md` into
---out. The winners belong in `megactx.kernels.sparse_mla._launch_config` (and `choose_num_splits`);
-where "sm90" wins, set `HOPPER_DEFAULT_KERNEL = "sm90"` there.
+against the best "sm90" and "sm90ws" launches, and writes `tune_sparse_mla.json` and
+`tune_sparse_mla.md` into --out. The winners belong in `megactx.kernels.sparse_mla._launch_config`
+(and `choose_num_splits`); the fastest Hopper kernel in `HOPPER_DEFAULT_KERNEL` there (`WS_FP8`:
+whether FP8 follows "sm90ws").
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -53,11 +57,11 @@ from triton.testing import do_bench
 from benchmarks.common import cubin_resource_usage
 from megactx.kernels import reference
 from megactx.kernels.sparse_mla import (
-    HOPPER_DEFAULT_KERNEL,
     SM90_BLOCK_H,
     SM90_WARPS,
     _launch_config,
     choose_num_splits,
+    hopper_kernel,
     num_sms,
     sparse_mla,
 )
@@ -73,10 +77,12 @@ COPY_BYTES = 1 << 30
 # (num_stages - 1) // 2 tiles ahead by Triton's pipeliner; its 32- and 16-row tiles (5-13 stages) and
 # 32-head blocks lost to 64 x 64 on the H200 (110-169 TFLOP/s against 216, see `_launch_config`) and
 # are no longer timed. "sm90": num_stages shared-memory tile buffers, rows requested num_stages - 1
-# tiles ahead (64-row tiles fit 2 buffers at GLM size, 32-row ones 4).
-CANDIDATES = [("triton", 64, 64, 2, 8), ("triton", 64, 64, 3, 8),
-              ("sm90", SM90_BLOCK_H, 64, 2, SM90_WARPS), ("sm90", SM90_BLOCK_H, 32, 4, SM90_WARPS),
-              ("sm90", SM90_BLOCK_H, 32, 3, SM90_WARPS)]
+# tiles ahead (64-row tiles fit 2 buffers at GLM size, 32-row ones 4). "sm90ws": the same tilings,
+# side by side with "sm90" (its producer keeps one tile's gather in flight; num_warps: the math warps).
+HOPPER_TILINGS = [(64, 2), (32, 4), (32, 3)]  # (block_n, num_stages)
+CANDIDATES = [("triton", 64, 64, 2, 8), ("triton", 64, 64, 3, 8)] + [
+    (kernel, SM90_BLOCK_H, block_n, stages, SM90_WARPS)
+    for block_n, stages in HOPPER_TILINGS for kernel in ("sm90", "sm90ws")]
 SPLITS = (1, 2, 3, 4, 6, 8)  # decode / verify; prefill runs unsplit
 
 
@@ -124,9 +130,10 @@ class Case:
 
 
 def label(kernel: str, block_h: int, block_n: int, num_stages: int, num_warps: int) -> str:
-    """"h64/bn64/s3/w8" for "triton" (as in earlier runs), "sm90/bn64/b2" (tile buffers) for "sm90"."""
-    if kernel == "sm90":
-        return f"sm90/bn{block_n}/b{num_stages}"
+    """"h64/bn64/s3/w8" for "triton" (as in earlier runs), "sm90/bn64/b2" (tile buffers) for "sm90",
+    "sm90ws/bn64/b2" for "sm90ws"."""
+    if kernel in ("sm90", "sm90ws"):
+        return f"{kernel}/bn{block_n}/b{num_stages}"
     return f"h{block_h}/bn{block_n}/s{num_stages}/w{num_warps}"
 
 
@@ -317,8 +324,9 @@ def compile_static(kernel: str, fp8: bool, block_h: int, block_n: int, num_stage
                 "kv_bf16_ptr": "*bf16", "slots_ptr": "*i32", "len_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32"}
     constants = {"R": rank, "DR": rope, "BLOCK_H": block_h, "BLOCK_N": block_n, "PAGE": reference.BLOCK_SIZE,
                  "GROUP": group, "FP8": fp8, "HAS_LEN": has_len}
-    if kernel == "sm90":
-        fn, source = kernels._sparse_mla_fwd_sm90, GluonASTSource
+    if kernel in ("sm90", "sm90ws"):
+        fn = kernels._sparse_mla_fwd_sm90 if kernel == "sm90" else kernels._sparse_mla_fwd_sm90ws
+        source = GluonASTSource
         constants |= {"NUM_BUF": num_stages, "num_warps": num_warps}
     else:
         fn, source = kernels._sparse_mla_fwd, ASTSource
@@ -335,10 +343,18 @@ def compile_static(kernel: str, fp8: bool, block_h: int, block_n: int, num_stage
 
 def static_profile(fp8: bool, kernel: str, block_h: int, block_n: int, num_stages: int, num_warps: int) -> str:
     """What the compiled sm_90 kernel of a candidate needs, without a GPU: shared memory, registers
-    a thread, and the spill stack (from cuobjdump, which ships with Triton)."""
+    a thread, and the spill stack (from cuobjdump, which ships with Triton). A warp-specialized
+    kernel launches at the registers of its whole CTA and moves them between its partitions with
+    setmaxnreg: the math warps lower theirs to one figure (the highest `dec`), the producer raises
+    its own to another (the lowest `inc`), both shown."""
     compiled = compile_static(kernel, fp8, block_h, block_n, num_stages, num_warps)
     fields = cubin_resource_usage(compiled)
     usage = f", {fields.get('REG', '?')} registers, {fields.get('STACK', '?')} B spill stack" if fields else ""
+    moves = re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", compiled.asm["ptx"])
+    if moves:
+        math = max(int(n) for op, n in moves if op == "dec")
+        producer = min(int(n) for op, n in moves if op == "inc")
+        usage += f" (setmaxnreg: math warps {math}, producer {producer})"
     return f"{compiled.metadata.shared} B shared{usage}"
 
 
@@ -372,22 +388,31 @@ def summary(cases: list[Case], copy_gbps: float) -> str:
 
 
 def kernel_verdict(cases: list[Case]) -> str:
-    """The best "triton" against the best "sm90" launch of every case, and what to set."""
-    lines = ["| case | best triton | TFLOP/s | best sm90 | TFLOP/s | sm90 / triton |", "|---|---|---|---|---|---|"]
-    wins = total = 0
+    """The best "triton", "sm90" and "sm90ws" launches of every case, and which Hopper kernel to set."""
+    lines = ["| case | best triton | TFLOP/s | best sm90 | TFLOP/s | best sm90ws | TFLOP/s | sm90 / triton | "
+             "sm90ws / sm90 |", "|---|---|---|---|---|---|---|---|---|"]
+    ws_wins = {False: [0, 0], True: [0, 0]}  # fp8 -> [cases sm90ws won, cases]
     for c in cases:
-        t, h = best_row(c, "triton"), best_row(c, "sm90")
-        if t is None or h is None:
+        t, h, w = best_row(c, "triton"), best_row(c, "sm90"), best_row(c, "sm90ws")
+        if h is None or w is None:
             continue
-        total += 1
-        wins += h.ms < t.ms
-        lines.append(f"| {c.name} | {t.config} x{t.splits} | {t.tflops:.1f} | {h.config} x{h.splits} | "
-                     f"{h.tflops:.1f} | {t.ms / h.ms:.2f}x |")
-    if total:
-        advice = ('set HOPPER_DEFAULT_KERNEL = "sm90" in megactx/kernels/sparse_mla.py' if wins == total else
-                  'keep HOPPER_DEFAULT_KERNEL = "triton"' if wins == 0 else
-                  "sm90 wins only some cases: choose per case in sparse_mla (prefill / decode)")
-        lines += ["", f"sm90 faster in {wins} of {total} cases: {advice} (`_launch_config` gives sm90 64-row "
+        ws_wins[c.fp8][0] += w.ms < h.ms
+        ws_wins[c.fp8][1] += 1
+        triton = (f"{t.config} x{t.splits} | {t.tflops:.1f}", f"{t.ms / h.ms:.2f}x") if t else ("- | -", "-")
+        lines.append(f"| {c.name} | {triton[0]} | {h.config} x{h.splits} | {h.tflops:.1f} | "
+                     f"{w.config} x{w.splits} | {w.tflops:.1f} | {triton[1]} | {h.ms / w.ms:.2f}x |")
+    (bf16_won, bf16_cases), (fp8_won, fp8_cases) = ws_wins[False], ws_wins[True]
+    if bf16_cases + fp8_cases:
+        if bf16_won == bf16_cases and fp8_won == fp8_cases:
+            advice = 'set HOPPER_DEFAULT_KERNEL = "sm90ws" (WS_FP8 = True)'
+        elif bf16_won == bf16_cases and fp8_won == 0:
+            advice = 'set HOPPER_DEFAULT_KERNEL = "sm90ws" and WS_FP8 = False'
+        elif bf16_won == fp8_won == 0:
+            advice = 'keep HOPPER_DEFAULT_KERNEL = "sm90"'
+        else:
+            advice = "neither wins every case of a cache type: choose per case (prefill / decode)"
+        lines += ["", f"sm90ws faster than sm90 in {bf16_won} of {bf16_cases} bf16 and {fp8_won} of {fp8_cases} "
+                      f"FP8 cases: {advice} in megactx/kernels/sparse_mla.py (`_launch_config` gives both 64-row "
                       "tiles and 2 buffers; the table shows each case's best)."]
     return "\n".join(lines)
 
@@ -396,8 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results",
                         help="folder for tune_sparse_mla.json and .md (default benchmarks/results)")
-    parser.add_argument("--budget-s", type=float, default=230.0,
-                        help="wall-clock seconds after which the remaining timings are skipped (default 230)")
+    parser.add_argument("--budget-s", type=float, default=300.0,
+                        help="wall-clock seconds after which the remaining timings are skipped (default 300)")
     parser.add_argument("--static", action="store_true",
                         help="no GPU needed: compile every candidate for sm_90 and print its shared memory, "
                              "registers and spills")
@@ -446,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         cache = random_cache(CACHE_TOKENS, fp8, gen)
         for case in (c for c in cases if c.fp8 == fp8):
             run_case(case, cache, copy_gbps, failed[fp8], deadline, gen)
-            cfg = _launch_config(HEADS, TOPK, RANK, fp8, HOPPER_DEFAULT_KERNEL)
+            cfg = _launch_config(HEADS, TOPK, RANK, fp8, hopper_kernel(fp8))
             auto = choose_num_splits(case.tokens * math.ceil(HEADS / cfg.block_h), math.ceil(TOPK / cfg.block_n), sms)
             print(f"\n## {case.name}: default "
                   f"{label(cfg.kernel, cfg.block_h, cfg.block_n, cfg.num_stages, cfg.num_warps)}, "
@@ -458,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     text = summary(cases, copy_gbps)
     verdict = kernel_verdict(cases)
     print("\n## Best configuration a case\n" + text, flush=True)
-    print("\n## triton against sm90\n" + verdict, flush=True)
+    print("\n## triton against sm90 and sm90ws\n" + verdict, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     info = {"device": props.name, "sms": sms, "torch": torch.__version__, "triton": triton.__version__,
             "copy_gbps": copy_gbps,
@@ -470,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
             "seconds": time.perf_counter() - start}
     (args.out / "tune_sparse_mla.json").write_text(json.dumps(info, indent=1))
     md = [f"# Sparse MLA tuning on {props.name}", "", f"torch {torch.__version__}, triton {triton.__version__}, "
-          f"{sms} SMs; `python -m benchmarks.tune_sparse_mla`", "", text, "", "## triton against sm90", "",
+          f"{sms} SMs; `python -m benchmarks.tune_sparse_mla`", "", text, "", "## triton against sm90 and sm90ws", "",
           verdict, ""]
     for c in cases:
         md += [f"## {c.name}", "", table(c), ""]

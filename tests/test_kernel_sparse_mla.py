@@ -4,8 +4,9 @@ Error rule (DESIGN.md, the FlashAttention way): against the fp32 twin, the kerne
 most 2x that of the same computation done in PyTorch at the kernel's precision (bf16 operands,
 bf16 scores and probabilities; fp32 when q or the cache is fp32), plus a small atol. Without a GPU
 the portable kernel runs in the Triton interpreter, so the CPU cases stay small; the GLM-5.2
-geometry runs only on a GPU. The Hopper kernel (kernel="sm90", Gluon: no interpreter) runs only on
-an sm_90 GPU; on a CPU its build for sm_90 is still checked.
+geometry runs only on a GPU. The Hopper kernels (kernel="sm90" and its warp-specialized variant
+"sm90ws", Gluon: no interpreter) run only on an sm_90 GPU, every Hopper test on both; on a CPU their
+builds for sm_90 are still checked.
 """
 
 from __future__ import annotations
@@ -21,12 +22,16 @@ import pytest
 import torch
 
 from megactx.kernels import reference
+from megactx.kernels import sparse_mla as sparse_mla_module
 from megactx.kernels.sparse_mla import (
     HOPPER_SMEM_BYTES,
     MAX_SPLITS,
     SM90_BLOCK_H,
     SM90_WARPS,
+    WS_ALIGN_BYTES,
+    _launch_config,
     choose_num_splits,
+    hopper_kernel,
     sm90_smem_bytes,
     sm90_unsupported,
     sparse_mla,
@@ -34,7 +39,9 @@ from megactx.kernels.sparse_mla import (
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-needs_hopper = pytest.mark.skipif(not HOPPER, reason="kernel='sm90' needs a Hopper GPU")
+needs_hopper = pytest.mark.skipif(not HOPPER, reason="the Hopper kernels need a Hopper GPU")
+# The Hopper kernels, one contract: every Hopper test runs on each.
+SM90_KERNELS = ["sm90", "sm90ws"]
 
 
 def _paged_case(T: int, H: int, r: int, dr: int, K: int, *, fp8: bool, context: int = 80,
@@ -280,10 +287,11 @@ def test_choose_num_splits_follows_the_wave_model():
     (lambda a: {**a, "block_n": 24}, "block_n must be a power of two"),
     (lambda a: {**a, "num_stages": 0}, "num_stages must be >= 1"),
     (lambda a: {**a, "kernel": "cuda"}, "kernel must be one of"),
-    # fp32 q: no device runs it with kernel='sm90' (bf16 wgmma operands)
+    # fp32 q: no device runs it with a Hopper kernel (bf16 wgmma operands)
     (lambda a: {**a, "q": a["q"].float(), "kernel": "sm90"}, "kernel='sm90' cannot run this problem"),
+    (lambda a: {**a, "q": a["q"].float(), "kernel": "sm90ws"}, "kernel='sm90ws' cannot run this problem"),
 ], ids=["q-rank", "q-dtype", "cache-page", "cache-dtype", "cache-row", "slots-rows", "slots-dtype", "rank",
-        "fp8-rank", "splits", "block-n", "stages", "kernel-name", "sm90-fp32-q"])
+        "fp8-rank", "splits", "block-n", "stages", "kernel-name", "sm90-fp32-q", "sm90ws-fp32-q"])
 def test_sparse_mla_rejects_bad_arguments(change, match):
     q, cache, slots, scale = _paged_case(3, 2, 128, 32, 8, fp8=False)
     args = change({"q": q, "kv_cache": cache, "topk_slots": slots, "softmax_scale": scale, "kv_lora_rank": 128})
@@ -338,98 +346,143 @@ def test_sparse_mla_pipeline_configs_glm52(block_n, num_stages, fp8):
                         kernel="triton")
 
 
-# ------------------------------------------------------------------------------ the Hopper kernel (kernel="sm90")
-def test_sm90_kernel_builds_for_hopper_within_shared_memory():
+# ------------------------------------------------------------------------------ the Hopper kernels ("sm90", "sm90ws")
+@pytest.mark.parametrize("kernel", SM90_KERNELS)
+def test_sm90_kernel_builds_for_hopper_within_shared_memory(kernel):
     # Any machine: compile the Gluon kernel for sm_90 at GLM-5.2 geometry (ptxas ships with Triton),
     # with a bf16 and an FP8 cache, the FP8 one with a topk_len. Its shared memory must be what
-    # `sm90_smem_bytes` (the eligibility check) predicts, and fit. In a subprocess: the interpreter
-    # that conftest turns on without a GPU cannot compile for a device.
+    # `sm90_smem_bytes` (the eligibility check) predicts — exactly for "sm90", an upper bound by its
+    # alignment slack for "sm90ws" — and fit. In a subprocess: the interpreter that conftest turns
+    # on without a GPU cannot compile for a device.
     code = ("import json; from benchmarks.tune_sparse_mla import compile_static; "
-            f"print(json.dumps([compile_static('sm90', fp8, {SM90_BLOCK_H}, 64, 2, {SM90_WARPS}, rank=512, rope=64,"
-            " has_len=fp8).metadata.shared for fp8 in (False, True)]))")
+            f"print(json.dumps([compile_static('{kernel}', fp8, {SM90_BLOCK_H}, 64, 2, {SM90_WARPS}, rank=512, "
+            "rope=64, has_len=fp8).metadata.shared for fp8 in (False, True)]))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 0, done.stderr[-3000:]
     shared = json.loads(done.stdout.strip().splitlines()[-1])
-    assert shared == [sm90_smem_bytes(512, 64, 64, 2, fp8) for fp8 in (False, True)]
+    bound = [sm90_smem_bytes(512, 64, 64, 2, fp8, warp_specialized=kernel == "sm90ws") for fp8 in (False, True)]
+    if kernel == "sm90":
+        assert shared == bound
+    else:
+        for got, most in zip(shared, bound):
+            assert got <= most <= got + 4 * WS_ALIGN_BYTES, f"{got} B compiled, {most} B predicted"
     assert max(shared) <= HOPPER_SMEM_BYTES
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's refusal (a GPU runs or refuses by itself)")
+@pytest.mark.parametrize("kernel", SM90_KERNELS)
+def test_hopper_kernels_refuse_the_interpreter(kernel):
+    # Gluon kernels do not run in the interpreter: asked for one on a CPU, sparse_mla says so.
+    q, cache, slots, scale = _paged_case(3, 2, 128, 32, 8, fp8=False)
+    with pytest.raises(ValueError, match=f"kernel='{kernel}' cannot run this problem: it needs a CUDA device"):
+        sparse_mla(q, cache, slots, scale, 128, kernel=kernel)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
+def test_sm90ws_launches_with_the_sm90_tiling(fp8):
+    sm90 = _launch_config(64, 2048, 512, fp8, "sm90")
+    ws = _launch_config(64, 2048, 512, fp8, "sm90ws")
+    assert ws.kernel == "sm90ws" and (ws.block_h, ws.block_n, ws.num_warps, ws.num_stages) == (
+        sm90.block_h, sm90.block_n, sm90.num_warps, sm90.num_stages)
+
+
+@pytest.mark.parametrize("default,ws_fp8,expected", [
+    ("sm90", True, ("sm90", "sm90")),
+    ("sm90ws", True, ("sm90ws", "sm90ws")),
+    ("sm90ws", False, ("sm90ws", "sm90")),
+    ("triton", True, ("triton", "triton")),
+])
+def test_hopper_kernel_follows_the_default_and_ws_fp8(monkeypatch, default, ws_fp8, expected):
+    # (bf16 cache, FP8 cache) -> the Hopper default kernel: flipping it is one constant, WS_FP8 keeps FP8 on "sm90".
+    monkeypatch.setattr(sparse_mla_module, "HOPPER_DEFAULT_KERNEL", default)
+    monkeypatch.setattr(sparse_mla_module, "WS_FP8", ws_fp8)
+    assert (hopper_kernel(False), hopper_kernel(True)) == expected
 
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("kernel", SM90_KERNELS)
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
 @pytest.mark.parametrize("K", [5, 64, 100])
 @pytest.mark.parametrize("r,dr", [(128, 32), (256, 64)])
 @pytest.mark.parametrize("H", [1, 3, 16, 80])
-def test_sm90_matches_twin(H, r, dr, K, fp8):
-    # The CPU cases on the Hopper kernel, plus H = 80: two blocks of 64 heads, the second mostly padding.
+def test_sm90_matches_twin(H, r, dr, K, fp8, kernel):
+    # The CPU cases on the Hopper kernels, plus H = 80: two blocks of 64 heads, the second mostly padding.
     q, cache, slots, scale = _paged_case(6, H, r, dr, K, fp8=fp8, device="cuda", seed=H * 1000 + r + K)
-    if fp8:  # its FP8 path gave wrong results below r = 512 on the H200: it must refuse, not compute
-        assert "FP8" in sm90_unsupported(q, cache, r)
+    if fp8:  # the FP8 path gave wrong results below r = 512 on the H200: it must refuse, not compute
+        assert "FP8" in sm90_unsupported(q, cache, r, kernel=kernel)
         return
-    _check_against_twin(q, cache, slots, scale, r, kernel="sm90")
+    _check_against_twin(q, cache, slots, scale, r, kernel=kernel)
 
 
 @pytest.mark.gpu
 @needs_hopper
-def test_sm90_accepts_strided_q_and_int64_slots():
+@pytest.mark.parametrize("kernel", SM90_KERNELS)
+def test_sm90_accepts_strided_q_and_int64_slots(kernel):
     q, cache, slots, scale = _paged_case(5, 6, 128, 32, 30, fp8=False, device="cuda", seed=5)
     q_strided = torch.cat([q, q], dim=1)[:, ::2]  # [T, H, D] with a head stride of 2 D
-    _check_against_twin(q_strided, cache, slots.long(), scale, 128, kernel="sm90")
+    _check_against_twin(q_strided, cache, slots.long(), scale, 128, kernel=kernel)
 
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("kernel", SM90_KERNELS)
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
 @pytest.mark.parametrize("H", [64, 16, 1])
-def test_sm90_matches_twin_glm52_geometry(H, fp8):
+def test_sm90_matches_twin_glm52_geometry(H, fp8, kernel):
     q, cache, slots, scale = _paged_case(64, H, 512, 64, 2048, fp8=fp8, context=4096, device="cuda", seed=52)
-    _check_against_twin(q, cache, slots, scale, 512, kernel="sm90")
+    _check_against_twin(q, cache, slots, scale, 512, kernel=kernel)
 
 
 @pytest.mark.gpu
 @needs_hopper
-def test_sm90_glm52_padded_topk():
+@pytest.mark.parametrize("kernel", SM90_KERNELS)
+def test_sm90_glm52_padded_topk(kernel):
     # 300 valid slots of 2048: most tiles hold no valid slot at all.
     q, cache, slots, scale = _paged_case(64, 64, 512, 64, 2048, fp8=True, context=300, device="cuda", seed=53)
-    _check_against_twin(q, cache, slots, scale, 512, kernel="sm90")
+    _check_against_twin(q, cache, slots, scale, 512, kernel=kernel)
 
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("kernel", SM90_KERNELS)
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
 @pytest.mark.parametrize("T,num_splits", [(64, None), (64, 5), (256, None), (1, None)],
                          ids=["decode64-auto", "decode64-5", "verify256-auto", "decode1-auto"])
-def test_sm90_split_k_glm52_decode(T, num_splits, fp8):
+def test_sm90_split_k_glm52_decode(T, num_splits, fp8, kernel):
     q, cache, slots, scale = _paged_case(T, 64, 512, 64, 2048, fp8=fp8, context=4096, device="cuda", seed=54 + T)
-    _check_against_twin(q, cache, slots, scale, 512, num_splits=num_splits, kernel="sm90")
+    _check_against_twin(q, cache, slots, scale, 512, num_splits=num_splits, kernel=kernel)
 
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("kernel", SM90_KERNELS)
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
-def test_sm90_split_k_glm52_empty_trailing_splits(fp8):
+def test_sm90_split_k_glm52_empty_trailing_splits(fp8, kernel):
     # Of 8 splits of 256 slots, split 0 is full, split 1 holds 44 valid slots and splits 2-7 none.
     q, cache, slots, scale = _paged_case(64, 64, 512, 64, 2048, fp8=fp8, context=300, device="cuda", seed=55)
-    _check_against_twin(q, cache, _pad_at_end(slots), scale, 512, num_splits=8, kernel="sm90")
+    _check_against_twin(q, cache, _pad_at_end(slots), scale, 512, num_splits=8, kernel=kernel)
 
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("kernel", SM90_KERNELS)
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
 @pytest.mark.parametrize("block_n,num_stages", [(64, 2), (32, 4), (32, 3)])
-def test_sm90_pipeline_configs_glm52(block_n, num_stages, fp8):
+def test_sm90_pipeline_configs_glm52(block_n, num_stages, fp8, kernel):
     # The candidates of benchmarks/tune_sparse_mla.py: 1-3 tiles in flight while one is computed,
-    # every buffer and ring entry reused many times over the 2048 slots.
+    # every buffer (and "sm90"'s ring entry) reused many times over the 2048 slots; 3 buffers give
+    # "sm90ws" barrier phases that do not line up with powers of two.
     q, cache, slots, scale = _paged_case(64, 64, 512, 64, 2048, fp8=fp8, context=4096, device="cuda", seed=56)
     _check_against_twin(q, cache, slots, scale, 512, block_n=block_n, num_stages=num_stages, num_splits=1,
-                        kernel="sm90")
+                        kernel=kernel)
 
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("kernel", ["sm90", "triton"])
+@pytest.mark.parametrize("kernel", [*SM90_KERNELS, "triton"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_topk_len_glm52(num_splits, fp8, kernel):
@@ -449,11 +502,25 @@ def test_topk_len_glm52(num_splits, fp8, kernel):
 
 @pytest.mark.gpu
 @needs_hopper
-def test_sm90_and_triton_kernels_agree_glm52():
+@pytest.mark.parametrize("kernel", SM90_KERNELS)
+def test_sm90_and_triton_kernels_agree_glm52(kernel):
     # Both kernels at bf16 on the same problem: each within the error rule, and near each other
     # (their difference is rounding: p and c in bf16 either way, different summation orders).
     q, cache, slots, scale = _paged_case(64, 64, 512, 64, 2048, fp8=False, context=4096, device="cuda", seed=57)
     out_t, lse_t = sparse_mla(q, cache, slots, scale, 512, kernel="triton")
-    out_h, lse_h = sparse_mla(q, cache, slots, scale, 512, kernel="sm90")
+    out_h, lse_h = sparse_mla(q, cache, slots, scale, 512, kernel=kernel)
     torch.testing.assert_close(out_h.float(), out_t.float(), rtol=0.02, atol=0.02)
     torch.testing.assert_close(lse_h, lse_t, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
+@pytest.mark.parametrize("T,num_splits", [(64, 1), (64, 4), (1, None)], ids=["prefill64", "decode64-4", "decode1"])
+def test_sm90ws_matches_sm90_bit_for_bit_glm52(T, num_splits, fp8):
+    # The same math in the same order (the shared helpers), only the copies moved to a producer
+    # warpgroup: the outputs must be identical, not just close.
+    q, cache, slots, scale = _paged_case(T, 64, 512, 64, 2048, fp8=fp8, context=4096, device="cuda", seed=59)
+    out_a, lse_a = sparse_mla(q, cache, slots, scale, 512, num_splits=num_splits, kernel="sm90")
+    out_b, lse_b = sparse_mla(q, cache, slots, scale, 512, num_splits=num_splits, kernel="sm90ws")
+    assert torch.equal(out_a, out_b) and torch.equal(lse_a, lse_b)

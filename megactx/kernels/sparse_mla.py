@@ -11,7 +11,7 @@ uses it twice: as keys (scores = q_lat·cᵀ + q_pe·k_peᵀ, a [BLOCK_H, BLOCK_
 scale). FP8 caches are dequantized once a tile (e4m3 · fp32 scale per 128 latent values; bf16
 rope) and then fed to the same bf16 dots as a bf16 cache.
 
-Two kernels implement this, with one contract (`LaunchConfig.kernel` picks):
+Three kernels implement this, with one contract (`LaunchConfig.kernel` picks):
 
 - "triton" (`_sparse_mla_fwd`): portable Triton, for the CPU interpreter, fp32 inputs and any GPU.
   Heads are padded to at least 16 rows with masks so that tl.dot always gets a legal tile. Triton's
@@ -28,6 +28,16 @@ Two kernels implement this, with one contract (`LaunchConfig.kernel` picks):
   p·c MMA (r / 2 each), exchanging p through shared memory. FP8 rows land raw and are dequantized
   into one bf16 operand buffer. Heads come in blocks of 64 (wgmma's M for one warpgroup), bf16 q,
   power-of-two r and dr.
+- "sm90ws" (`_sparse_mla_fwd_sm90ws`): "sm90" warp-specialized (Gluon's warp_specialize), with its
+  tiling and limits and about its shared memory. In "sm90" the math warps also issue the gathers:
+  a tile's address math and cp.async requests take their issue slots between the score MMA's
+  issue and its wait. Here the 8 math warps (the default partition) run only "sm90"'s math,
+  through the same helpers, and a producer warpgroup (4 more warps on a small register budget)
+  walks the same tiles: it waits until a buffer is free, gathers the tile's rows into it with
+  cp.async (slot ids read a tile ahead, published beside the rows for the key mask) and signals
+  the math warps through an mbarrier; they hand the buffer back through another once done with it
+  (FP8: after the score MMA, the raw rows being dequantized by then). One tile's gather is in
+  flight at a time: with 2 buffers as far ahead as "sm90"'s, with more not further.
 
 Split-K (flash-decoding): a decode batch has too few (token, head block) programs to fill the GPU
 (64 tokens x 1 head block on 132 SMs), so the top-k of each token is cut into `num_splits` chunks
@@ -52,7 +62,12 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as _cp
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 from megactx.kernels.common import INTERPRET, check_device
 from megactx.kernels.reference import BLOCK_SIZE, SCALE_GROUP
@@ -80,10 +95,24 @@ HOPPER_SMEM_BYTES = 227 * 1024  # shared memory an sm_90 block can opt into
 # Scratch of the softmax (p exchanged between the warpgroups, the row max), measured on the compiled
 # kernel at GLM geometry with Triton 3.6 and 3.9.
 SM90_SCRATCH_BYTES = 4096
-# Which kernel sparse_mla runs on Hopper when both can serve a problem. "triton" until
-# benchmarks.tune_sparse_mla shows "sm90" faster on the H200 (see `_launch_config`).
-HOPPER_DEFAULT_KERNEL = "sm90"
-KERNELS = ("triton", "sm90")
+# Which kernel sparse_mla runs on Hopper when a Hopper kernel can serve a problem ("triton", "sm90"
+# or "sm90ws"; see `hopper_kernel`): the fastest in benchmarks.tune_sparse_mla on the H200 ("sm90ws"
+# in every case of its 2026-12-02 run, bf16 and FP8: see `_launch_config`). WS_FP8: whether an FP8
+# cache follows HOPPER_DEFAULT_KERNEL = "sm90ws" too (False: FP8 stays on "sm90").
+HOPPER_DEFAULT_KERNEL = "sm90ws"
+WS_FP8 = True
+KERNELS = ("triton", "sm90", "sm90ws")
+# The warp-specialized Hopper kernel ("sm90ws"): a producer partition of one warpgroup (the unit of
+# register reallocation) gathers the tiles on a small register budget; the 8 math warps get what is
+# left (Triton 3.6 and 3.9: (168 x 12 - 4 x WS_PRODUCER_REGS) / 8 rounded down to 8, 216 a thread
+# for 72). At 80 the math warps' 208 spilled (Triton 3.6); at 72 neither side spills.
+WS_PRODUCER_WARPS = 4
+WS_PRODUCER_REGS = 72
+_WS_WARPS = gl.constexpr(WS_PRODUCER_WARPS)  # the kernels see module globals only as constexprs
+_WS_REGS = gl.constexpr(WS_PRODUCER_REGS)
+# Alignment slack in `sm90_smem_bytes` for each shared-memory buffer "sm90ws" adds to "sm90"'s
+# (the tiles' slot ids, the ready and free barriers).
+WS_ALIGN_BYTES = 128
 
 
 # ------------------------------------------------------------------------------ the portable kernel (Triton)
@@ -255,12 +284,13 @@ def _combine_splits(part_ptr, part_lse_ptr, out_ptr, lse_ptr, H, num_splits,
     tl.store(lse_ptr + t * H + offs_h, lse, mask=mask_h)
 
 
-# ------------------------------------------------------------------------------ the Hopper kernel (Gluon)
+# ------------------------------------------------------------------------------ the Hopper kernels (Gluon)
 @gluon.constexpr_function
-def _copy_layout(cols, elem_bytes, num_warps):
-    """Registers of a [rows, cols] copy: 16-byte vectors, a warp's lanes along a row, warps down the rows."""
+def _copy_layout(cols, elem_bytes, num_warps, row_lanes=32):
+    """Registers of a [rows, cols] copy: 16-byte vectors, up to row_lanes of a warp's lanes along a row
+    (the others on the next rows), warps down the rows."""
     vec = max(1, 16 // elem_bytes)
-    lanes = max(1, min(32, cols // vec))
+    lanes = max(1, min(row_lanes, cols // vec))
     return gl.BlockedLayout([1, vec], [32 // lanes, lanes], [num_warps, 1], [1, 0])
 
 
@@ -287,10 +317,11 @@ def _issue_tile(kv_ptr, kv_f32_ptr, kv_bf16_ptr, slot_lat, slot_pe, slot_sc, lat
     """Start (cp.async, not waited) copying the cached rows of one key tile into shared memory.
 
     slot_lat / slot_pe / slot_sc: the tile's [BLOCK_N] slots (-1 = none: zeros, no traffic) in the
-    layouts of the copies. lat_dst [BLOCK_N, R] gets the latent as stored (bf16, or e4m3 bytes for
-    FP8), pe_dst [BLOCK_N, DR] the bf16 rope key and, for FP8, rows buf * NG .. of sc_bufs
-    [NUM_BUF * NG, BLOCK_N] the fp32 scales transposed (group-major, so dequantization reads a
-    group's scales as one row)."""
+    layouts of the copies (LAT_COPY's and PE_COPY's rows; those layouts say which warps copy: all of
+    "sm90"'s, or the producer's of "sm90ws"). lat_dst [BLOCK_N, R] gets the latent as stored (bf16,
+    or e4m3 bytes for FP8), pe_dst [BLOCK_N, DR] the bf16 rope key and, for FP8, rows buf * NG .. of
+    sc_bufs [NUM_BUF * NG, BLOCK_N] the fp32 scales transposed (group-major, so dequantization reads
+    a group's scales as one row)."""
     offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, LAT_COPY))
     offs_dr = gl.arange(0, DR, layout=gl.SliceLayout(0, PE_COPY))
     row_lat = _row_offset(slot_lat, stride_kb, stride_ks, PAGE)
@@ -313,6 +344,130 @@ def _ring_slots(ring, tile, k_lo, k_hi, BLOCK_N: gl.constexpr, RING: gl.constexp
     copy zero-filled them)."""
     offs = k_lo + tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=LAYOUT)
     return gl.where(offs < k_hi, ring.index(tile % RING).load(LAYOUT), -1)
+
+
+@gluon.jit
+def _load_q(q_ptr, q_lat_smem, q_pe_smem, t, hb, H, stride_qt, stride_qh,
+            R: gl.constexpr, DR: gl.constexpr, BLOCK_H: gl.constexpr, Q_COPY: gl.constexpr, PE_COPY: gl.constexpr):
+    """Start (cp.async, not committed) copying q of token t, head block hb, into shared memory: the
+    latent part [BLOCK_H, R] into q_lat_smem, the rope part [BLOCK_H, DR] into q_pe_smem; padded
+    heads read as zeros."""
+    h_lat = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, Q_COPY))
+    h_pe = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, PE_COPY))
+    r_lat = gl.arange(0, R, layout=gl.SliceLayout(0, Q_COPY))
+    r_pe = gl.arange(0, DR, layout=gl.SliceLayout(0, PE_COPY))
+    q_row = q_ptr + t * stride_qt
+    _async_load(q_lat_smem, q_row + h_lat[:, None] * stride_qh + r_lat[None, :], mask=(h_lat < H)[:, None])
+    _async_load(q_pe_smem, q_row + h_pe[:, None] * stride_qh + R + r_pe[None, :], mask=(h_pe < H)[:, None])
+
+
+@gluon.jit
+def _key_range(K, split_len, split, len_ptr, t, BLOCK_N: gl.constexpr, HAS_LEN: gl.constexpr):
+    """This split's keys [k_lo, k_hi) and their number of BLOCK_N-key tiles: whole tiles, the last
+    split ends at K (or at the token's topk_len)."""
+    k_lo = split * split_len
+    k_hi = gl.minimum(K, k_lo + split_len)
+    if HAS_LEN:
+        k_hi = gl.maximum(k_lo, gl.minimum(k_hi, gl.load(len_ptr + t)))
+    return k_lo, k_hi, gl.cdiv(k_hi - k_lo, BLOCK_N)
+
+
+@gluon.jit
+def _dequant_tile(raw, sc_bufs, buf, lat_op, NG: gl.constexpr, GROUP: gl.constexpr, DEQ: gl.constexpr):
+    """FP8: the raw tile raw [BLOCK_N, R] (e4m3 bytes) times its scales (rows buf * NG .. of sc_bufs)
+    into the bf16 operand lat_op [BLOCK_N, R], a scale group at a time. Plain shared-memory stores:
+    fence them before an MMA reads lat_op."""
+    for g in gl.static_range(NG):
+        codes = raw.slice(g * GROUP, GROUP, dim=1).load(DEQ)
+        scale = sc_bufs.index(buf * NG + g).load(gl.SliceLayout(1, DEQ))
+        c = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None]
+        lat_op.slice(g * GROUP, GROUP, dim=1).store(c.to(gl.bfloat16))
+
+
+@gluon.jit
+def _score_mma(q_lat_smem, q_pe_smem, lat, pe_bufs, buf, s_init):
+    """Issue (not wait) a tile's score MMA: q_lat·latᵀ + q_pe·peᵀ [BLOCK_H, BLOCK_N] (pe: pe_bufs[buf]),
+    fp32 in s_init's layout (each warpgroup BLOCK_N / 2 keys)."""
+    s = warpgroup_mma(q_lat_smem, lat.permute((1, 0)), s_init, use_acc=False, is_async=True)
+    return warpgroup_mma(q_pe_smem, pe_bufs.index(buf).permute((1, 0)), s, is_async=True)
+
+
+@gluon.jit
+def _softmax_pv(s, valid, qk_scale, m_i, l_part, acc, lat, P_DOT: gl.constexpr, O_MMA: gl.constexpr):
+    """One tile's online softmax and value MMA, from its finished scores s [BLOCK_H, BLOCK_N] and key
+    mask valid [BLOCK_N]: returns the running max m_i, the per-column denominators l_part and acc
+    [BLOCK_H, R] += p·lat with the MMA complete (lat [BLOCK_N, R] may be reused after)."""
+    s = gl.where(valid[None, :], s * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    # Until a valid slot shows up m stays -inf; subtracting 0 instead keeps exp2 at 0, not NaN.
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(s - m_safe[:, None])
+    l_part = l_part * alpha[:, None] + p
+    # Each warpgroup holds p for half the keys and needs all of them for its value columns; the
+    # exchange goes through shared memory inside convert_layout (no proxy fence: p stays a register operand).
+    p_op = gl.convert_layout(p.to(gl.bfloat16), P_DOT)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_MMA))[:, None]
+    acc = warpgroup_mma(p_op, lat, acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+    return m_new, l_part, acc
+
+
+@gluon.jit
+def _store_out(acc, m_i, l_part, out_ptr, lse_ptr, t, split, hb, H, stride_ot, stride_os, stride_oh, stride_lt,
+               stride_ls, R: gl.constexpr, BLOCK_H: gl.constexpr, S_MMA: gl.constexpr, O_MMA: gl.constexpr):
+    """Epilogue: out = acc / l [BLOCK_H, R] in out's dtype and lse [BLOCK_H] (natural log) of this
+    (token, split, head block); rows without keys give out 0 and lse -inf."""
+    l_i = gl.sum(l_part, 1)
+    has_keys = l_i > 0.0
+    l_safe = gl.where(has_keys, l_i, 1.0)
+    lse = gl.where(has_keys, (m_i + gl.log2(l_safe)) * _LN2, float("-inf"))  # natural log
+    out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, O_MMA))[:, None]  # rows without keys: acc = 0
+    h_o = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_MMA))
+    r_o = gl.arange(0, R, layout=gl.SliceLayout(0, O_MMA))
+    out_ptrs = out_ptr + t * stride_ot + split * stride_os + h_o[:, None] * stride_oh + r_o[None, :]
+    gl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=(h_o < H)[:, None])
+    h_s = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, S_MMA))
+    gl.store(lse_ptr + t * stride_lt + split * stride_ls + h_s, lse, mask=h_s < H)
+
+
+@gluon.jit
+def _program_work(num_head_blocks, num_splits):
+    """This program's (head block, split, token) of the launch grid (head blocks of a token next to
+    each other, then its splits, then the next token; token as int64: T * H * (r + dr) passes 2^31)."""
+    pid = gl.program_id(0)
+    hb = pid % num_head_blocks
+    split = (pid // num_head_blocks) % num_splits
+    return hb, split, (pid // (num_head_blocks * num_splits)).to(gl.int64)
+
+
+@gluon.jit
+def _allocate_tiles(R: gl.constexpr, DR: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+                    NUM_BUF: gl.constexpr, SLOT_ROWS: gl.constexpr, NG: gl.constexpr, FP8: gl.constexpr):
+    """Both Hopper kernels' shared memory, in this order: q (latent [BLOCK_H, R], rope [BLOCK_H, DR]),
+    NUM_BUF rope tiles [BLOCK_N, DR], SLOT_ROWS rows of BLOCK_N int32 slot ids, NUM_BUF latent tiles
+    (bf16 [BLOCK_N, R]; FP8: raw e4m3 bytes, their fp32 scales [NUM_BUF * NG, BLOCK_N] and one bf16
+    operand tile to dequantize into). GLM bf16: q 72 KiB + 2 tiles x 72 KiB; FP8: 2 raw tiles x 41
+    KiB + a 64 KiB operand. Without FP8, sc_bufs and lat_op alias lat_bufs (never used)."""
+    LAT_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], gl.bfloat16)
+    PE_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DR], gl.bfloat16)
+    QL_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, R], gl.bfloat16)
+    QP_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, DR], gl.bfloat16)
+    RAW_SMEM: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    ROW_SMEM: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    q_lat_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, R], QL_SMEM)
+    q_pe_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, DR], QP_SMEM)
+    pe_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_N, DR], PE_SMEM)
+    slot_bufs = gl.allocate_shared_memory(gl.int32, [SLOT_ROWS, BLOCK_N], ROW_SMEM)
+    if FP8:
+        lat_bufs = gl.allocate_shared_memory(gl.uint8, [NUM_BUF, BLOCK_N, R], RAW_SMEM)
+        sc_bufs = gl.allocate_shared_memory(gl.float32, [NUM_BUF * NG, BLOCK_N], ROW_SMEM)
+        lat_op = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, R], LAT_SMEM)
+    else:
+        lat_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_N, R], LAT_SMEM)
+        sc_bufs = lat_bufs
+        lat_op = lat_bufs
+    return q_lat_smem, q_pe_smem, pe_bufs, slot_bufs, lat_bufs, sc_bufs, lat_op
 
 
 # num_splits and num_head_blocks only enter the program-id arithmetic (as in `_sparse_mla_fwd`).
@@ -347,47 +502,17 @@ def _sparse_mla_fwd_sm90(
     Q_COPY: gl.constexpr = _copy_layout(R, 2, num_warps)
     VEC_COPY: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     DEQ: gl.constexpr = _copy_layout(GROUP, 1, num_warps)  # one scale group of a tile: [BLOCK_N, GROUP]
-    LAT_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], gl.bfloat16)
-    PE_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DR], gl.bfloat16)
-    QL_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, R], gl.bfloat16)
-    QP_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, DR], gl.bfloat16)
-    RAW_SMEM: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-    ROW_SMEM: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
 
-    pid = gl.program_id(0)
-    hb = pid % num_head_blocks
-    split = (pid // num_head_blocks) % num_splits
-    t = (pid // (num_head_blocks * num_splits)).to(gl.int64)  # int64: T * H * (r + dr) passes 2^31
+    hb, split, t = _program_work(num_head_blocks, num_splits)
+    q_lat_smem, q_pe_smem, pe_bufs, ring, lat_bufs, sc_bufs, lat_op = _allocate_tiles(
+        R, DR, BLOCK_H, BLOCK_N, NUM_BUF, RING, NG, FP8)
 
-    # Shared memory (GLM bf16: q 72 KiB + 2 tiles x 72 KiB; FP8: 2 raw tiles x 41 KiB + a 64 KiB operand).
-    q_lat_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, R], QL_SMEM)
-    q_pe_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, DR], QP_SMEM)
-    pe_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_N, DR], PE_SMEM)
-    ring = gl.allocate_shared_memory(gl.int32, [RING, BLOCK_N], ROW_SMEM)
-    if FP8:
-        lat_bufs = gl.allocate_shared_memory(gl.uint8, [NUM_BUF, BLOCK_N, R], RAW_SMEM)
-        sc_bufs = gl.allocate_shared_memory(gl.float32, [NUM_BUF * NG, BLOCK_N], ROW_SMEM)
-        lat_op = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, R], LAT_SMEM)
-    else:
-        lat_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_N, R], LAT_SMEM)
-        sc_bufs = lat_bufs  # no scales; never indexed
+    # q -> shared memory, in the first copy group.
+    _load_q(q_ptr, q_lat_smem, q_pe_smem, t, hb, H, stride_qt, stride_qh, R, DR, BLOCK_H, Q_COPY, PE_COPY)
 
-    # q [BLOCK_H, R + DR] -> shared memory (padded heads read as zeros), in the first copy group.
-    h_lat = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, Q_COPY))
-    h_pe = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, PE_COPY))
-    r_lat = gl.arange(0, R, layout=gl.SliceLayout(0, Q_COPY))
-    r_pe = gl.arange(0, DR, layout=gl.SliceLayout(0, PE_COPY))
-    q_row = q_ptr + t * stride_qt
-    _async_load(q_lat_smem, q_row + h_lat[:, None] * stride_qh + r_lat[None, :], mask=(h_lat < H)[:, None])
-    _async_load(q_pe_smem, q_row + h_pe[:, None] * stride_qh + R + r_pe[None, :], mask=(h_pe < H)[:, None])
-
-    # This split's key range: whole tiles, the last split ends at K (or at the token's topk_len).
-    # Tiles past it read as all -1 (zero-filled, no traffic), so short splits need no special case.
-    k_lo = split * split_len
-    k_hi = gl.minimum(K, k_lo + split_len)
-    if HAS_LEN:
-        k_hi = gl.maximum(k_lo, gl.minimum(k_hi, gl.load(len_ptr + t)))
-    n_tiles = gl.cdiv(k_hi - k_lo, BLOCK_N)
+    # Tiles past this split's key range read as all -1 (zero-filled, no traffic), so short splits
+    # need no special case.
+    k_lo, k_hi, n_tiles = _key_range(K, split_len, split, len_ptr, t, BLOCK_N, HAS_LEN)
     slot_row = slots_ptr + t * stride_st
     offs_vec = gl.arange(0, BLOCK_N, layout=VEC_COPY)
     offs_lat = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LAT_COPY))
@@ -419,11 +544,7 @@ def _sparse_mla_fwd_sm90(
         _cp.wait_group(NUM_BUF - 2)  # group it - NUM_BUF + 1: tile it's rows, tile it + NUM_BUF - 1's ids
         if FP8:
             _barrier()  # every thread's part of the raw tile has landed, every warpgroup is past the last MMA
-            for g in gl.static_range(NG):
-                raw = lat_bufs.index(cur).slice(g * GROUP, GROUP, dim=1).load(DEQ)
-                scale = sc_bufs.index(cur * NG + g).load(gl.SliceLayout(1, DEQ))
-                c = raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None]
-                lat_op.slice(g * GROUP, GROUP, dim=1).store(c.to(gl.bfloat16))
+            _dequant_tile(lat_bufs.index(cur), sc_bufs, cur, lat_op, NG, GROUP, DEQ)
             lat = lat_op
         else:
             lat = lat_bufs.index(cur)
@@ -433,8 +554,7 @@ def _sparse_mla_fwd_sm90(
         # the oldest buffer (tile it - 1's) and ring entry (tile it - 2's) are free.
         _barrier()
         # The score MMA runs on the tensor cores while the warps request the next tile's rows.
-        s = warpgroup_mma(q_lat_smem, lat.permute((1, 0)), s_init, use_acc=False, is_async=True)
-        s = warpgroup_mma(q_pe_smem, pe_bufs.index(cur).permute((1, 0)), s, is_async=True)
+        s = _score_mma(q_lat_smem, q_pe_smem, lat, pe_bufs, cur, s_init)
         # All ring reads before the ring's next copy (one barrier between, which the compiler adds).
         valid = _ring_slots(ring, it, k_lo, k_hi, BLOCK_N, RING, gl.SliceLayout(0, S_MMA)) >= 0
         nxt = it + NUM_BUF - 1
@@ -448,34 +568,173 @@ def _sparse_mla_fwd_sm90(
         _async_load(ring.index((it + 2 * NUM_BUF - 2) % RING), slot_row + o + offs_vec, mask=o + offs_vec < k_hi)
         _cp.commit_group()
         s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
-        s = gl.where(valid[None, :], s * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
-
-        m_new = gl.maximum(m_i, gl.max(s, 1))
-        # Until a valid slot shows up m stays -inf; subtracting 0 instead keeps exp2 at 0, not NaN.
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s - m_safe[:, None])
-        l_part = l_part * alpha[:, None] + p
-        m_i = m_new
-        # Each warpgroup holds p for half the keys and needs all of them for its value columns; the
-        # exchange goes through shared memory inside convert_layout (no proxy fence: p stays a register operand).
-        p_op = gl.convert_layout(p.to(gl.bfloat16), P_DOT)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_MMA))[:, None]
-        acc = warpgroup_mma(p_op, lat, acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        m_i, l_part, acc = _softmax_pv(s, valid, qk_scale, m_i, l_part, acc, lat, P_DOT, O_MMA)
     _cp.wait_group(0)  # the (empty) copies requested past the last tile
 
-    l_i = gl.sum(l_part, 1)
-    has_keys = l_i > 0.0
-    l_safe = gl.where(has_keys, l_i, 1.0)
-    lse = gl.where(has_keys, (m_i + gl.log2(l_safe)) * _LN2, float("-inf"))  # natural log
-    out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, O_MMA))[:, None]  # rows without keys: acc = 0
-    h_o = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_MMA))
-    r_o = gl.arange(0, R, layout=gl.SliceLayout(0, O_MMA))
-    out_ptrs = out_ptr + t * stride_ot + split * stride_os + h_o[:, None] * stride_oh + r_o[None, :]
-    gl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=(h_o < H)[:, None])
-    h_s = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, S_MMA))
-    gl.store(lse_ptr + t * stride_lt + split * stride_ls + h_s, lse, mask=h_s < H)
+    _store_out(acc, m_i, l_part, out_ptr, lse_ptr, t, split, hb, H, stride_ot, stride_os, stride_oh, stride_lt,
+               stride_ls, R, BLOCK_H, S_MMA, O_MMA)
+
+
+@gluon.jit
+def _release(bar):
+    """Hand a tile buffer back to the producer, once every warp of this partition is done with it.
+
+    mbarrier.arrive is made by one thread of the partition (count 1), so a partition barrier goes
+    first; the proxy fence orders this partition's reads (wgmma's, through the async proxy) before
+    the producer's next cp.async writes to the buffer (generic proxy)."""
+    fence_async_shared()
+    _barrier()
+    mbarrier.arrive(bar, count=1)
+
+
+@gluon.jit
+def _sm90ws_consumer(q_ptr, out_ptr, lse_ptr, qk_scale, H, t, hb, split, n_tiles,
+                     stride_qt, stride_qh, stride_ot, stride_os, stride_oh, stride_lt, stride_ls, smem, ready, free,
+                     R: gl.constexpr, DR: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+                     NUM_BUF: gl.constexpr, GROUP: gl.constexpr, FP8: gl.constexpr, num_warps: gl.constexpr):
+    """"sm90ws"'s default partition, the kernel's num_warps (8) math warps: `_sparse_mla_fwd_sm90`'s
+    loop body without its copies. Tile it comes from buffer it % NUM_BUF once ready[it % NUM_BUF]
+    completes its phase (it // NUM_BUF) & 1; the buffer goes back through free[...]."""
+    NG: gl.constexpr = R // GROUP
+    S_MMA: gl.constexpr = _mma_layout(BLOCK_N, num_warps)
+    O_MMA: gl.constexpr = _mma_layout(R, num_warps)
+    P_DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_MMA, k_width=2)
+    Q_COPY: gl.constexpr = _copy_layout(R, 2, num_warps)
+    PE_COPY: gl.constexpr = _copy_layout(DR, 2, num_warps)
+    DEQ: gl.constexpr = _copy_layout(GROUP, 1, num_warps)
+    q_lat_smem, q_pe_smem, lat_bufs, pe_bufs, sc_bufs, lat_op, ids_bufs = smem
+
+    _load_q(q_ptr, q_lat_smem, q_pe_smem, t, hb, H, stride_qt, stride_qh, R, DR, BLOCK_H, Q_COPY, PE_COPY)
+    _cp.commit_group()
+    _cp.wait_group(0)
+    fence_async_shared()
+    _barrier()  # both warpgroups' score MMAs read all of q, which all 8 warps copied
+
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_MMA))  # running max (base 2)
+    l_part = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_MMA)  # as in `_sparse_mla_fwd_sm90`
+    acc = gl.zeros([BLOCK_H, R], gl.float32, layout=O_MMA)
+    s_init = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_MMA)
+    for it in range(n_tiles):
+        cur = it % NUM_BUF
+        mbarrier.wait(ready.index(cur), (it // NUM_BUF) & 1)  # the producer fenced its copies before arriving
+        valid = ids_bufs.index(cur).load(gl.SliceLayout(0, S_MMA)) >= 0
+        if FP8:
+            _barrier()  # every warpgroup is past the previous tile's PV MMA, which read lat_op
+            _dequant_tile(lat_bufs.index(cur), sc_bufs, cur, lat_op, NG, GROUP, DEQ)
+            fence_async_shared()
+            _barrier()  # all of lat_op stored before either warpgroup's MMA reads it
+            lat = lat_op
+        else:
+            lat = lat_bufs.index(cur)
+        s = _score_mma(q_lat_smem, q_pe_smem, lat, pe_bufs, cur, s_init)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
+        if FP8:
+            # Raw rows, scales, rope rows and ids all read: the producer may refill the buffer while
+            # this tile's softmax and PV MMA (on lat_op) run.
+            _release(free.index(cur))
+        m_i, l_part, acc = _softmax_pv(s, valid, qk_scale, m_i, l_part, acc, lat, P_DOT, O_MMA)
+        if not FP8:
+            _release(free.index(cur))  # the PV MMA, the buffer's last reader, has completed
+
+    _store_out(acc, m_i, l_part, out_ptr, lse_ptr, t, split, hb, H, stride_ot, stride_os, stride_oh, stride_lt,
+               stride_ls, R, BLOCK_H, S_MMA, O_MMA)
+
+
+@gluon.jit
+def _sm90ws_producer(kv_ptr, kv_f32_ptr, kv_bf16_ptr, slot_row, k_lo, k_hi, n_tiles, stride_kb, stride_ks,
+                     lat_bufs, pe_bufs, sc_bufs, ids_bufs, ready, free,
+                     R: gl.constexpr, DR: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
+                     PAGE: gl.constexpr, GROUP: gl.constexpr, FP8: gl.constexpr):
+    """"sm90ws"'s worker partition, WS_PRODUCER_WARPS warps: gathers the rows of every tile of the
+    split into buffer it % NUM_BUF, one tile in flight at a time, and publishes the tile's slot ids
+    in ids_bufs for the consumers' key mask."""
+    NG: gl.constexpr = R // GROUP
+    # 8 lanes a row (128 bytes, an L1 line, a copy instruction), the rest of the warp on the next
+    # rows: a thread copies whole lines of 4x fewer rows than with 32 lanes a row, so it holds 4x
+    # fewer row addresses (no spills within WS_PRODUCER_REGS; 32 lanes a row spilled with FP8).
+    LAT_COPY: gl.constexpr = _copy_layout(R, 1 if FP8 else 2, _WS_WARPS, 8)
+    PE_COPY: gl.constexpr = _copy_layout(DR, 2, _WS_WARPS, 8)
+    VEC_COPY: gl.constexpr = gl.BlockedLayout([1], [32], [_WS_WARPS], [0])
+    offs_vec = gl.arange(0, BLOCK_N, layout=VEC_COPY)
+
+    # Slot ids a tile ahead, in registers (masked to -1 past k_hi, as in `_sparse_mla_fwd_sm90`):
+    # their global-load latency stays off the path from a free buffer to its gather.
+    # int32 in shared memory whatever the slots' dtype (a cache of 2^31 slots would be 80+ TB).
+    nxt_ids = gl.load(slot_row + k_lo + offs_vec, mask=k_lo + offs_vec < k_hi, other=-1).to(gl.int32)
+    for it in range(n_tiles):
+        cur = it % NUM_BUF
+        ids = nxt_ids
+        o = k_lo + (it + 1) * BLOCK_N
+        nxt_ids = gl.load(slot_row + o + offs_vec, mask=o + offs_vec < k_hi, other=-1).to(gl.int32)
+        # Buffer cur's previous tile (it - NUM_BUF) is done. The parity flip lets the first NUM_BUF
+        # tiles through at once: a fresh mbarrier counts phase 1 (its "previous" one) as complete.
+        mbarrier.wait(free.index(cur), ((it // NUM_BUF) & 1) ^ 1)
+        ids_bufs.index(cur).store(ids)
+        _barrier()  # ids stored: every producer thread reads them back in its copies' layouts
+        _issue_tile(kv_ptr, kv_f32_ptr, kv_bf16_ptr,
+                    ids_bufs.index(cur).load(gl.SliceLayout(1, LAT_COPY)),
+                    ids_bufs.index(cur).load(gl.SliceLayout(1, PE_COPY)), ids,
+                    lat_bufs.index(cur), pe_bufs.index(cur), sc_bufs, cur, stride_kb, stride_ks,
+                    R, DR, NG, PAGE, FP8, LAT_COPY, PE_COPY)
+        _cp.commit_group()
+        _cp.wait_group(0)  # this thread's copies have landed
+        fence_async_shared()  # cp.async wrote through the generic proxy, wgmma reads through the async one
+        _barrier()  # every producer thread's copies have landed and been fenced: one thread arrives for all
+        mbarrier.arrive(ready.index(cur), count=1)
+
+
+# num_splits and num_head_blocks only enter the program-id arithmetic (as in `_sparse_mla_fwd`).
+@gluon.jit(do_not_specialize=["num_head_blocks", "num_splits"])
+def _sparse_mla_fwd_sm90ws(
+    q_ptr, kv_ptr, kv_f32_ptr, kv_bf16_ptr, slots_ptr, len_ptr, out_ptr, lse_ptr,
+    qk_scale, H, K, split_len, num_head_blocks, num_splits,
+    stride_qt, stride_qh, stride_st,
+    stride_ot, stride_os, stride_oh,
+    stride_lt, stride_ls,
+    stride_kb, stride_ks,
+    R: gl.constexpr, DR: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
+    PAGE: gl.constexpr, GROUP: gl.constexpr, FP8: gl.constexpr, HAS_LEN: gl.constexpr, num_warps: gl.constexpr,
+):
+    """`_sparse_mla_fwd_sm90`'s arguments and contract, warp-specialized: the num_warps (8) math
+    warps (`_sm90ws_consumer`) only compute, WS_PRODUCER_WARPS more (`_sm90ws_producer`) gather.
+
+    Barrier protocol, per tile buffer b (tile it uses b = it % NUM_BUF, round n = it // NUM_BUF):
+    - ready[b]: the producer arrives once the tile's rows and ids are in b (after its own cp.async
+      wait, proxy fence and partition barrier); the consumers wait for phase n & 1.
+    - free[b]: the consumers arrive once they no longer read b (bf16: after the PV MMA; FP8: after
+      the score MMA, the raw rows being dequantized into lat_op by then); the producer waits for
+      phase (n & 1) ^ 1 before refilling b, which a fresh barrier passes in round 0.
+    Both are initialized with count 1: Gluon's mbarrier.arrive is made by one elected thread of the
+    arriving partition (thread 0 of its warps; the PTX `@p mbarrier.arrive` with p = tid % partition
+    size == 0), after a barrier of that partition. Neither side gets more than one phase ahead (the
+    producer refills b only after the consumers' arrival for its previous tile, which came after
+    their wait for that tile), so a parity wait is never ambiguous."""
+    NG: gl.constexpr = R // GROUP
+    hb, split, t = _program_work(num_head_blocks, num_splits)
+    # `_sparse_mla_fwd_sm90`'s shared memory, with each buffer's slot ids in place of its ring of them.
+    q_lat_smem, q_pe_smem, pe_bufs, ids_bufs, lat_bufs, sc_bufs, lat_op = _allocate_tiles(
+        R, DR, BLOCK_H, BLOCK_N, NUM_BUF, NUM_BUF, NG, FP8)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    for b in gl.static_range(NUM_BUF):
+        mbarrier.init(ready.index(b), count=1)  # one (elected) producer arrival a phase
+        mbarrier.init(free.index(b), count=1)  # one (elected) consumer arrival a phase
+    # No fence after the inits: the barriers are used only by mbarrier instructions (no TMA), and
+    # warp_specialize starts its partitions behind a CTA-wide barrier.
+
+    k_lo, k_hi, n_tiles = _key_range(K, split_len, split, len_ptr, t, BLOCK_N, HAS_LEN)
+    smem = (q_lat_smem, q_pe_smem, lat_bufs, pe_bufs, sc_bufs, lat_op, ids_bufs)
+    gl.warp_specialize([
+        (_sm90ws_consumer, (q_ptr, out_ptr, lse_ptr, qk_scale, H, t, hb, split, n_tiles,
+                            stride_qt, stride_qh, stride_ot, stride_os, stride_oh, stride_lt, stride_ls,
+                            smem, ready, free, R, DR, BLOCK_H, BLOCK_N, NUM_BUF, GROUP, FP8, num_warps)),
+        (_sm90ws_producer, (kv_ptr, kv_f32_ptr, kv_bf16_ptr, slots_ptr + t * stride_st, k_lo, k_hi, n_tiles,
+                            stride_kb, stride_ks, lat_bufs, pe_bufs, sc_bufs, ids_bufs, ready, free,
+                            R, DR, BLOCK_N, NUM_BUF, PAGE, GROUP, FP8)),
+    ], [_WS_WARPS], [_WS_REGS])
+    for b in gl.static_range(NUM_BUF):
+        mbarrier.invalidate(ready.index(b))
+        mbarrier.invalidate(free.index(b))
 
 
 # ------------------------------------------------------------------------------ launch
@@ -483,11 +742,12 @@ def _sparse_mla_fwd_sm90(
 class LaunchConfig:
     """How `sparse_mla` tiles and launches a problem (each field can be overridden by a keyword)."""
 
-    block_h: int  # heads a program serves (>= 16: tl.dot's smallest tile side; 64 for "sm90")
+    block_h: int  # heads a program serves (>= 16: tl.dot's smallest tile side; 64 for "sm90", "sm90ws")
     block_n: int  # cached rows gathered a tile
-    num_warps: int
+    num_warps: int  # "sm90ws": its math warps (the producer's WS_PRODUCER_WARPS come on top)
     # "triton": Triton's software pipeliner (rows requested (num_stages - 1) // 2 tiles ahead);
-    # "sm90": shared-memory tile buffers (rows requested num_stages - 1 tiles ahead).
+    # "sm90": shared-memory tile buffers (rows requested num_stages - 1 tiles ahead); "sm90ws": as
+    # many buffers, the producer one tile's gather in flight at a time (see `_sparse_mla_fwd_sm90ws`).
     num_stages: int
     kernel: str = "triton"  # one of KERNELS
 
@@ -517,26 +777,35 @@ def choose_num_splits(num_programs: int, num_tiles: int, sms: int) -> int:
     return best
 
 
-def sm90_smem_bytes(kv_lora_rank: int, rope_dim: int, block_n: int, num_buffers: int, fp8: bool) -> int:
-    """Shared memory of one `_sparse_mla_fwd_sm90` program: q, the tile buffers (FP8: raw rows plus
-    one bf16 operand buffer), the ring of slot ids and the softmax's scratch. GLM-5.2 (r = 512,
-    dr = 64, 64-row tiles, 2 buffers): 226,304 B with a bf16 cache, 228,352 B with FP8, under
-    sm_90's 232,448."""
+def sm90_smem_bytes(kv_lora_rank: int, rope_dim: int, block_n: int, num_buffers: int, fp8: bool,
+                    warp_specialized: bool = False) -> int:
+    """Shared memory of one Hopper-kernel program: q, the tile buffers (FP8: raw rows plus one bf16
+    operand buffer), the softmax's scratch and, for `_sparse_mla_fwd_sm90`, its ring of slot ids
+    (exact). warp_specialized (`_sparse_mla_fwd_sm90ws`): the tiles' slot ids, the ready and free
+    mbarriers and warp_specialize's state (a byte a producer warp) instead of the ring, plus
+    WS_ALIGN_BYTES for each of its buffers (an upper bound). GLM-5.2 (r = 512, dr = 64, 64-row
+    tiles, 2 buffers): "sm90" 226,304 B with a bf16 cache, 228,352 B with FP8; "sm90ws" at most
+    226,212 and 228,260 B (compiled: 225,828 and 227,876); all under sm_90's 232,448."""
     r, dr = kv_lora_rank, rope_dim
     q = SM90_BLOCK_H * (r + dr) * 2
-    ring = 2 * num_buffers * block_n * 4
     if fp8:
         tiles = num_buffers * block_n * (r + 4 * (r // SCALE_GROUP) + 2 * dr) + block_n * r * 2
     else:
         tiles = num_buffers * block_n * (r + dr) * 2
-    return q + tiles + ring + SM90_SCRATCH_BYTES
+    if not warp_specialized:
+        ring = 2 * num_buffers * block_n * 4
+        return q + tiles + ring + SM90_SCRATCH_BYTES
+    ids = num_buffers * block_n * 4
+    barriers = 2 * num_buffers * 8
+    return q + tiles + ids + barriers + WS_PRODUCER_WARPS + SM90_SCRATCH_BYTES + 3 * WS_ALIGN_BYTES
 
 
 def sm90_unsupported(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
-                     block_n: int = 64, num_buffers: int = 2) -> str:
-    """Why the Hopper kernel cannot serve this problem ('' when it can): it needs a Hopper GPU, bf16
-    q, a bf16 or FP8 cache, power-of-two r >= 64 and dr >= 16 (whole 16-byte copies, legal wgmma
-    tiles), 2+ tile buffers (one computed while the next lands) within shared memory."""
+                     block_n: int = 64, num_buffers: int = 2, kernel: str = "sm90") -> str:
+    """Why the Hopper kernel `kernel` ("sm90" or "sm90ws") cannot serve this problem ('' when it
+    can): it needs a Hopper GPU, bf16 q, a bf16 or FP8 cache, power-of-two r >= 64 and dr >= 16
+    (whole 16-byte copies, legal wgmma tiles), 2+ tile buffers (one computed while the next lands)
+    within shared memory (`sm90_smem_bytes` of that kernel)."""
     r, dr = kv_lora_rank, q.shape[-1] - kv_lora_rank
     if INTERPRET or q.device.type != "cuda":
         return "it needs a CUDA device (the Triton interpreter runs only kernel='triton')"
@@ -552,11 +821,19 @@ def sm90_unsupported(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
         return f"its FP8-cache path is verified only at kv_lora_rank 512, got {r}"
     if num_buffers < 2:
         return f"it needs num_stages >= 2 (tile buffers: one computed while the next lands), got {num_buffers}"
-    need = sm90_smem_bytes(r, dr, block_n, num_buffers, kv_cache.dtype == torch.uint8)
+    need = sm90_smem_bytes(r, dr, block_n, num_buffers, kv_cache.dtype == torch.uint8, kernel == "sm90ws")
     if need > HOPPER_SMEM_BYTES:
         return (f"{block_n}-row tiles x {num_buffers} buffers at r = {r}, dr = {dr} need {need} B of shared "
                 f"memory, more than sm_90's {HOPPER_SMEM_BYTES}")
     return ""
+
+
+def hopper_kernel(fp8: bool) -> str:
+    """The kernel `sparse_mla` picks on Hopper when none is asked for and `sm90_unsupported` allows
+    it: HOPPER_DEFAULT_KERNEL, except that an FP8 cache stays on "sm90" when WS_FP8 is False."""
+    if HOPPER_DEFAULT_KERNEL == "sm90ws" and fp8 and not WS_FP8:
+        return "sm90"
+    return HOPPER_DEFAULT_KERNEL
 
 
 def _launch_config(num_heads: int, topk: int, block_r: int, fp8: bool, kernel: str = "triton") -> LaunchConfig:
@@ -573,9 +850,15 @@ def _launch_config(num_heads: int, topk: int, block_r: int, fp8: bool, kernel: s
     tiles with 2 buffers (32-row tiles fit 4). Timed on the H200 (same script, same run as the Triton
     candidates): prefill T = 4096 bf16 379 TFLOP/s (local top-k) / 339 (uniform) against Triton's
     219 / 209; FP8 268 against 193; decode T = 64 bf16 253 (2 splits) against 167, FP8 203 against
-    149 — faster in every case, so it is the Hopper default where `sm90_unsupported` allows it."""
-    if kernel == "sm90":
-        return LaunchConfig(SM90_BLOCK_H, min(64, max(16, triton.next_power_of_2(topk))), SM90_WARPS, 2, "sm90")
+    149 — faster in every case, so it is the Hopper default where `sm90_unsupported` allows it.
+    "sm90ws" (the same math with the gathers on a producer warpgroup) takes "sm90"'s tiling and,
+    in one run of the script on the H200 (2026-12-02), beat it in all 10 cases by 1.09-1.19x with
+    64-row tiles and 2 buffers (its best tiling, as "sm90"'s): prefill T = 4096 bf16 426 / 379
+    TFLOP/s (local / uniform) against 374 / 347, FP8 304 / 303 against 267; decode T = 64 bf16 288
+    (63.5 us) against 251, FP8 233 against 203; verify T = 256 bf16 412 / 390 against 345 / 335, FP8
+    287 / 285 against 248 / 251. So it is the Hopper default (HOPPER_DEFAULT_KERNEL, WS_FP8)."""
+    if kernel in ("sm90", "sm90ws"):
+        return LaunchConfig(SM90_BLOCK_H, min(64, max(16, triton.next_power_of_2(topk))), SM90_WARPS, 2, kernel)
     block_h = min(64, max(16, triton.next_power_of_2(num_heads)))
     block_n = min(64, max(16, triton.next_power_of_2(topk)))
     # acc [BLOCK_H, r] fp32 stays in registers: 8 warps keep it at 128 registers a thread for GLM.
@@ -603,9 +886,9 @@ def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor
     over scaled scores); a row with no valid slot gives out 0 and lse -inf.
 
     Dots run in bf16 with fp32 accumulation (fp32 throughout when q or the cache is fp32). The
-    keyword-only arguments override the launch of `_launch_config` (for tuning): kernel ("triton"
-    or "sm90", the Hopper kernel; default "triton" except where HOPPER_DEFAULT_KERNEL = "sm90" and
-    `sm90_unsupported` is empty), block_h, block_n, num_warps, num_stages, and num_splits (split-K:
+    keyword-only arguments override the launch of `_launch_config` (for tuning): kernel ("triton",
+    or a Hopper kernel: "sm90", "sm90ws"; default `hopper_kernel` where `sm90_unsupported` is empty
+    for it, else "triton"), block_h, block_n, num_warps, num_stages, and num_splits (split-K:
     chunks of each token's top-k, >= 1, capped at the number of key tiles; default from
     `choose_num_splits` and the SM count). No host sync: safe under CUDA-graph capture (the split-K
     scratch comes from the caching allocator)."""
@@ -674,16 +957,18 @@ def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor
     block_r = max(16, triton.next_power_of_2(r))
     block_dr = max(16, triton.next_power_of_2(dr))
     if kernel is None:
-        kernel = "sm90" if HOPPER_DEFAULT_KERNEL == "sm90" and not sm90_unsupported(q, kv_cache, r) else "triton"
+        kernel = hopper_kernel(fp8)
+        if kernel != "triton" and sm90_unsupported(q, kv_cache, r, kernel=kernel):
+            kernel = "triton"
     overrides = {"block_h": block_h, "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages}
     cfg = replace(_launch_config(H, K, block_r, fp8, kernel), **{k: v for k, v in overrides.items() if v is not None})
-    if kernel == "sm90":
-        why = sm90_unsupported(q, kv_cache, r, cfg.block_n, cfg.num_stages)
+    if kernel in ("sm90", "sm90ws"):
+        why = sm90_unsupported(q, kv_cache, r, cfg.block_n, cfg.num_stages, kernel)
         if why:
-            raise ValueError(f"kernel='sm90' cannot run this problem: {why}; use kernel='triton'")
+            raise ValueError(f"kernel={kernel!r} cannot run this problem: {why}; use kernel='triton'")
         if (cfg.block_h, cfg.num_warps) != (SM90_BLOCK_H, SM90_WARPS):
-            raise ValueError(f"kernel='sm90' runs blocks of {SM90_BLOCK_H} heads on {SM90_WARPS} warps (two "
-                             f"warpgroups), got block_h = {cfg.block_h}, num_warps = {cfg.num_warps}")
+            raise ValueError(f"kernel={kernel!r} runs blocks of {SM90_BLOCK_H} heads on {SM90_WARPS} math warps "
+                             f"(two warpgroups), got block_h = {cfg.block_h}, num_warps = {cfg.num_warps}")
     head_blocks = triton.cdiv(H, cfg.block_h)
     num_tiles = triton.cdiv(K, cfg.block_n)
     if num_splits is None:
@@ -710,10 +995,11 @@ def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor
             dst.stride(0), dst.stride(1), dst.stride(2), dst_lse.stride(0), dst_lse.stride(1),
             kv_cache.stride(0), kv_cache.stride(1))
     grid = (T * splits * head_blocks,)
-    if kernel == "sm90":
-        _sparse_mla_fwd_sm90[grid](*args, R=r, DR=dr, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-                                   NUM_BUF=cfg.num_stages, PAGE=BLOCK_SIZE, GROUP=SCALE_GROUP, FP8=fp8,
-                                   HAS_LEN=topk_len is not None, num_warps=cfg.num_warps)
+    if kernel in ("sm90", "sm90ws"):
+        fwd = _sparse_mla_fwd_sm90 if kernel == "sm90" else _sparse_mla_fwd_sm90ws
+        fwd[grid](*args, R=r, DR=dr, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, NUM_BUF=cfg.num_stages,
+                  PAGE=BLOCK_SIZE, GROUP=SCALE_GROUP, FP8=fp8, HAS_LEN=topk_len is not None,
+                  num_warps=cfg.num_warps)
     else:
         _sparse_mla_fwd[grid](
             *args,
