@@ -174,6 +174,7 @@ class Kernels:
     indexer_topk_chunked: Callable[..., torch.Tensor]
     sparse_mla: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     read_rows: Callable[..., torch.Tensor]  # a bound, not a kernel under test: `benchmarks.bounds`
+    sparse_mla_kernel: Callable[..., str]  # which kernel sparse_mla runs for (q, kv_cache, r): recorded
 
 
 def load_kernels(device: str) -> Kernels:
@@ -192,7 +193,7 @@ def load_kernels(device: str) -> Kernels:
     from benchmarks import bounds
 
     return Kernels(kv_write.write_kv, indexer.indexer_logits, indexer.indexer_topk_chunked, sparse_mla.sparse_mla,
-                   bounds.read_rows)
+                   bounds.read_rows, sparse_mla.default_kernel)
 
 
 # ------------------------------------------------------------------------------ the run
@@ -434,7 +435,8 @@ class KernelBench:
 
         gathered = sparse_keys(0, L, g.topk) * g.kv_row_bytes(fp8)
         self._rows(f"sparse_mla.prefill.{'fp8' if fp8 else 'bf16'}", L, chunk, self._sparse_prefill_flops, gathered,
-                   prepare, "bf16_mm", {"topk": "realistic (benchmarks/inputs.py)"})
+                   prepare, "bf16_mm", {"topk": "realistic (benchmarks/inputs.py)",
+                                        "kernel": self.k.sparse_mla_kernel(q, cache, g.kv_lora_rank)})
         if not fp8:
             self._plain_sparse_prefill(L, cache, bt)
 
@@ -479,7 +481,8 @@ class KernelBench:
         detail = {"batch": B, "pool_blocks": pool, "shared_blocks": pool < B * nb}
         self._timed(f"sparse_mla.decode.{'fp8' if fp8 else 'bf16'}", L,
                     lambda: self.k.sparse_mla(q, cache, slots, g.softmax_scale, g.kv_lora_rank, key_len),
-                    g.sparse_flops(keys), keys * row, "bf16_mm", detail, graph=True)
+                    g.sparse_flops(keys), keys * row, "bf16_mm",
+                    {**detail, "kernel": self.k.sparse_mla_kernel(q, cache, g.kv_lora_rank)}, graph=True)
         if not fp8:
             flat = cache.view(-1, g.kv_lora_rank + g.rope_dim)
             self._timed("plain.sparse.decode", L,

@@ -245,6 +245,11 @@ def render_markdown(results: dict[str, Any], groups: list[dict[str, Any]], targe
                + ", ".join(fmt_context(L) for L in s["contexts"])
                + f"; {s['budget_s']} s of timed runs a figure; decode batch {s['batch']}"
                + (f"; whole run {results['wall_s']:.0f} s" if "wall_s" in results else "") + ".\n")
+    ran = sorted({(m.name.rsplit(".", 1)[-1], m.detail["kernel"]) for m in fig.all
+                  if m.name.startswith("sparse_mla.") and "kernel" in m.detail})
+    if ran:
+        out.append("Sparse MLA ran `sparse_mla`'s default kernel for each cache: "
+                   + ", ".join(f"`{kernel}` ({cache})" for cache, kernel in ran) + ".\n")
     out.append("Times are of one layer: one kernel (or peer) over a whole causal prefill of L queries, or one "
                "decode step of the batch at context L. **Method**: *measured* = the whole work was timed; "
                "*sampled* = evenly spread query-row chunks were timed and scaled to the whole prefill by the exact "

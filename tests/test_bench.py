@@ -291,7 +291,10 @@ def _check_run(out_dir, device_slug, contexts, fp8):
     assert all(m["time_s"] > 0 for m in results["measurements"])
     assert results["ceilings"]["bf16_mm"] > 0 and results["ceilings"]["copy"] > 0
     assert [g["context"] for g in results["groups"]] == contexts
-    assert (out_dir / f"kernels-{device_slug}.md").exists()
+    # the sparse MLA figures say which kernel ran them, and the report says it too
+    ran = {m["detail"].get("kernel") for m in results["measurements"] if m["name"].startswith("sparse_mla.")}
+    assert ran and ran <= {"triton", "sm90", "sm90ws"}
+    assert all(f"`{k}`" in (out_dir / f"kernels-{device_slug}.md").read_text() for k in ran)
     return results
 
 
@@ -304,6 +307,7 @@ def test_the_whole_harness_runs_on_a_cpu_under_the_interpreter(tmp_path):
                  "--batch", "2", "--out", str(out)]) == 0
     results = _check_run(out, "cpu", [64], fp8=True)
     assert any(m["method"] == SAMPLED for m in results["measurements"])
+    assert {m["detail"]["kernel"] for m in results["measurements"] if m["name"].startswith("sparse_mla.")} == {"triton"}
 
 
 @pytest.mark.gpu

@@ -836,6 +836,15 @@ def hopper_kernel(fp8: bool) -> str:
     return HOPPER_DEFAULT_KERNEL
 
 
+def default_kernel(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) -> str:
+    """The kernel `sparse_mla` runs for q over kv_cache when none is asked for: the Hopper one
+    (`hopper_kernel`) where `sm90_unsupported` allows it, else "triton"."""
+    kernel = hopper_kernel(kv_cache.dtype == torch.uint8)
+    if kernel != "triton" and sm90_unsupported(q, kv_cache, kv_lora_rank, kernel=kernel):
+        return "triton"
+    return kernel
+
+
 def _launch_config(num_heads: int, topk: int, block_r: int, fp8: bool, kernel: str = "triton") -> LaunchConfig:
     """The tiling of `kernel` for a problem; tl.dot needs every tile side >= 16.
 
@@ -957,9 +966,7 @@ def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor
     block_r = max(16, triton.next_power_of_2(r))
     block_dr = max(16, triton.next_power_of_2(dr))
     if kernel is None:
-        kernel = hopper_kernel(fp8)
-        if kernel != "triton" and sm90_unsupported(q, kv_cache, r, kernel=kernel):
-            kernel = "triton"
+        kernel = default_kernel(q, kv_cache, r)
     overrides = {"block_h": block_h, "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages}
     cfg = replace(_launch_config(H, K, block_r, fp8, kernel), **{k: v for k, v in overrides.items() if v is not None})
     if kernel in ("sm90", "sm90ws"):
