@@ -57,6 +57,7 @@ from triton.testing import do_bench
 from benchmarks.common import cubin_resource_usage
 from megactx.kernels import reference
 from megactx.kernels.sparse_mla import (
+    HOPPER_KERNELS,
     SM90_BLOCK_H,
     SM90_WARPS,
     _launch_config,
@@ -82,7 +83,7 @@ COPY_BYTES = 1 << 30
 HOPPER_TILINGS = [(64, 2), (32, 4), (32, 3)]  # (block_n, num_stages)
 CANDIDATES = [("triton", 64, 64, 2, 8), ("triton", 64, 64, 3, 8)] + [
     (kernel, SM90_BLOCK_H, block_n, stages, SM90_WARPS)
-    for block_n, stages in HOPPER_TILINGS for kernel in ("sm90", "sm90ws")]
+    for block_n, stages in HOPPER_TILINGS for kernel in HOPPER_KERNELS]
 SPLITS = (1, 2, 3, 4, 6, 8)  # decode / verify; prefill runs unsplit
 
 
@@ -132,7 +133,7 @@ class Case:
 def label(kernel: str, block_h: int, block_n: int, num_stages: int, num_warps: int) -> str:
     """"h64/bn64/s3/w8" for "triton" (as in earlier runs), "sm90/bn64/b2" (tile buffers) for "sm90",
     "sm90ws/bn64/b2" for "sm90ws"."""
-    if kernel in ("sm90", "sm90ws"):
+    if kernel in HOPPER_KERNELS:
         return f"{kernel}/bn{block_n}/b{num_stages}"
     return f"h{block_h}/bn{block_n}/s{num_stages}/w{num_warps}"
 
@@ -324,7 +325,7 @@ def compile_static(kernel: str, fp8: bool, block_h: int, block_n: int, num_stage
                 "kv_bf16_ptr": "*bf16", "slots_ptr": "*i32", "len_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32"}
     constants = {"R": rank, "DR": rope, "BLOCK_H": block_h, "BLOCK_N": block_n, "PAGE": reference.BLOCK_SIZE,
                  "GROUP": group, "FP8": fp8, "HAS_LEN": has_len}
-    if kernel in ("sm90", "sm90ws"):
+    if kernel in HOPPER_KERNELS:
         fn = kernels._sparse_mla_fwd_sm90 if kernel == "sm90" else kernels._sparse_mla_fwd_sm90ws
         source = GluonASTSource
         constants |= {"NUM_BUF": num_stages, "num_warps": num_warps}

@@ -101,7 +101,8 @@ SM90_SCRATCH_BYTES = 4096
 # cache follows HOPPER_DEFAULT_KERNEL = "sm90ws" too (False: FP8 stays on "sm90").
 HOPPER_DEFAULT_KERNEL = "sm90ws"
 WS_FP8 = True
-KERNELS = ("triton", "sm90", "sm90ws")
+HOPPER_KERNELS = ("sm90", "sm90ws")  # Gluon, sm_90 only
+KERNELS = ("triton", *HOPPER_KERNELS)
 # The warp-specialized Hopper kernel ("sm90ws"): a producer partition of one warpgroup (the unit of
 # register reallocation) gathers the tiles on a small register budget; the 8 math warps get what is
 # left (Triton 3.6 and 3.9: (168 x 12 - 4 x WS_PRODUCER_REGS) / 8 rounded down to 8, 216 a thread
@@ -866,7 +867,7 @@ def _launch_config(num_heads: int, topk: int, block_r: int, fp8: bool, kernel: s
     TFLOP/s (local / uniform) against 374 / 347, FP8 304 / 303 against 267; decode T = 64 bf16 288
     (63.5 us) against 251, FP8 233 against 203; verify T = 256 bf16 412 / 390 against 345 / 335, FP8
     287 / 285 against 248 / 251. So it is the Hopper default (HOPPER_DEFAULT_KERNEL, WS_FP8)."""
-    if kernel in ("sm90", "sm90ws"):
+    if kernel in HOPPER_KERNELS:
         return LaunchConfig(SM90_BLOCK_H, min(64, max(16, triton.next_power_of_2(topk))), SM90_WARPS, 2, kernel)
     block_h = min(64, max(16, triton.next_power_of_2(num_heads)))
     block_n = min(64, max(16, triton.next_power_of_2(topk)))
@@ -969,7 +970,7 @@ def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor
         kernel = default_kernel(q, kv_cache, r)
     overrides = {"block_h": block_h, "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages}
     cfg = replace(_launch_config(H, K, block_r, fp8, kernel), **{k: v for k, v in overrides.items() if v is not None})
-    if kernel in ("sm90", "sm90ws"):
+    if kernel in HOPPER_KERNELS:
         why = sm90_unsupported(q, kv_cache, r, cfg.block_n, cfg.num_stages, kernel)
         if why:
             raise ValueError(f"kernel={kernel!r} cannot run this problem: {why}; use kernel='triton'")
@@ -1002,7 +1003,7 @@ def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor
             dst.stride(0), dst.stride(1), dst.stride(2), dst_lse.stride(0), dst_lse.stride(1),
             kv_cache.stride(0), kv_cache.stride(1))
     grid = (T * splits * head_blocks,)
-    if kernel in ("sm90", "sm90ws"):
+    if kernel in HOPPER_KERNELS:
         fwd = _sparse_mla_fwd_sm90 if kernel == "sm90" else _sparse_mla_fwd_sm90ws
         fwd[grid](*args, R=r, DR=dr, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, NUM_BUF=cfg.num_stages,
                   PAGE=BLOCK_SIZE, GROUP=SCALE_GROUP, FP8=fp8, HAS_LEN=topk_len is not None,
