@@ -4,6 +4,8 @@ prefix-cache hits — and sampling, stopping, logprobs, streaming and aborts beh
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -333,6 +335,42 @@ def test_static_batch_puts_device_tokens_in_their_rows_and_sends_block_tables_wh
     assert batch.block_table[:2, :2].tolist() == [[5, 0], [99, 8]]
     batch.fill(2, [[5], [7, 8, 9]], [4, 128], [[11], [12]])  # sequence 1 took a block
     assert batch.block_table[:2, :3].tolist() == [[5, 0, 0], [7, 8, 9]]
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_static_batch_stable_rows_keep_each_sequence_on_its_block_table_row(ragged):
+    """With stable_rows a sequence keeps its block-table row while it is in every fill (a server's
+    oldest request ends first: sequence b = row b would move every other one), whatever joins,
+    ends or grows around it; each fill's seq_idx names a row holding that sequence's table."""
+    rng = random.Random(0)
+    batch = StaticBatch(max_seqs=6, q=1, max_blocks=8, device=torch.device("cpu"), rows=64 if ragged else None,
+                        stable_rows=True)
+    live: list[list[int]] = []  # each sequence's table: a list that grows in place, as Sequence.block_table
+    ended = []  # kept alive, so that no new table takes an ended one's id and the stability check holds
+    rows_before: dict[int, int] = {}
+    for step in range(60):
+        if live and rng.random() < 0.3:
+            ended.append(live.pop(rng.randrange(len(live))))  # it ended (the oldest, or any)
+        while len(live) < 6 and rng.random() < 0.5:
+            live.append([rng.randrange(100) for _ in range(rng.randint(1, 3))])  # it joined
+        for table in live:
+            if len(table) < 8 and rng.random() < 0.2:
+                table.append(rng.randrange(100))  # it took a block
+        if not live:
+            continue
+        starts = [64 * len(t) - 1 for t in live]  # each at the last position of its last block
+        if ragged:
+            batch.fill_ragged(live, starts, [[1]] * len(live), rows=32, samples=list(range(len(live))))
+            seq_idx = batch.seq_idx[: len(live)].tolist()
+        else:
+            batch.fill(6, live, starts, [[1]] * len(live))
+            seq_idx = batch.view(6, 512).seq_idx[: len(live)].tolist()
+        assert len(set(seq_idx)) == len(live) and all(0 <= r < 6 for r in seq_idx)
+        for table, row in zip(live, seq_idx):
+            assert batch.block_table[row, : len(table)].tolist() == table, f"step {step}"
+            assert rows_before.get(id(table), row) == row, f"step {step}: a sequence moved to another row"
+        rows_before = {id(t): r for t, r in zip(live, seq_idx)}
+        assert batch.view(len(live), 512, rows=32 if ragged else None).block_table.shape[0] == 6  # every row
 
 
 def test_eager_capture_replays_into_the_captured_outputs():

@@ -378,3 +378,25 @@ def test_sampling_tensors_are_rebuilt_only_when_the_batch_changes():
     fresh = SamplingTensors.from_params([hot], "cpu", 32)
     got = cache.get([seq4], "cpu", 32)
     assert torch.equal(got.temperature, fresh.temperature) and torch.equal(got.top_k, fresh.top_k)
+
+
+def test_argmax_only_batches_are_those_whose_sampler_would_take_the_raw_argmax():
+    """The engine skips the sampler (and its tensors) when every row is plain greedy; any stage that
+    could change a row's token or ask for more than it (logprobs) makes the batch go through it."""
+    from types import SimpleNamespace
+
+    plain = SamplingParams(temperature=0.0, max_tokens=8)
+    cache = SamplingTensorsCache()
+    seqs = [SimpleNamespace(seq_id=i, sampling_params=plain) for i in range(3)]
+    assert cache.argmax_only(seqs, 32, [1])
+    logits = torch.randn(3, 32)
+    sampled = Sampler()(logits, SamplingBatch(cache.get(seqs, "cpu", 32, [1]))).tokens
+    assert torch.equal(sampled, logits.argmax(dim=-1))
+    for other in (SamplingParams(temperature=0.5), SamplingParams(temperature=0.0, logprobs=2),
+                  SamplingParams(temperature=0.0, repetition_penalty=1.2),
+                  SamplingParams(temperature=0.0, presence_penalty=0.5),
+                  SamplingParams(temperature=0.0, frequency_penalty=0.5),
+                  SamplingParams(temperature=0.0, min_tokens=2)):
+        mixed = seqs + [SimpleNamespace(seq_id=9, sampling_params=other)]
+        assert not cache.argmax_only(mixed, 32, [1]), other
+        assert cache.argmax_only(seqs, 32, [1])  # the batch without it again

@@ -46,6 +46,7 @@ from megactx.engine.sampler import (
     UNIFORM,
     RowGenerator,
     Sampler,
+    SamplerOutput,
     SamplingBatch,
     SamplingTensorsCache,
     draw_rows,
@@ -112,7 +113,7 @@ class _Completion:
 
 class _Request:
     def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
-                 seqs: list[Seq], tokenizer: Tokenizer | None):
+                 seqs: list[Seq], tokenizer: Tokenizer | None, eos_token_ids: Sequence[int]):
         self.output = RequestOutput(request_id, prompt, prompt_ids,
                                     [CompletionOutput(i, logprobs=[] if params.logprobs is not None else None)
                                      for i in range(len(seqs))], arrival_time=time.perf_counter())
@@ -121,6 +122,8 @@ class _Request:
         self.completions = [_Completion(out, IncrementalDetokenizer(tokenizer, prompt_ids) if tokenizer else None)
                             for out in self.output.outputs]
         self.hold = max((len(s) - 1 for s in params.stop), default=0)  # could start a stop string: held back
+        # the tokens that end it (what check_stop looks for besides stop strings and max_tokens)
+        self.stop_token_ids = frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else eos_token_ids)
 
 
 class LLM:
@@ -347,7 +350,7 @@ class LLM:
         seqs = [Seq(next(self._ids), prompt_ids, params, request_id) for _ in range(params.n)]
         for seq in seqs:
             self.scheduler.add(seq)  # may refuse (a request the cache can never hold): then none is added
-        request = _Request(request_id, text, prompt_ids, params, seqs, self.tokenizer)
+        request = _Request(request_id, text, prompt_ids, params, seqs, self.tokenizer, self.eos_token_ids)
         if self.spec is not None:
             request.output.spec_decode = SpecDecodeStats(self.spec.config.num_speculative_tokens)
         self.requests[request_id] = request
@@ -427,7 +430,9 @@ class LLM:
         logits = self.runner.execute(out.scheduled, fed)  # [R, V]
         seqs = [item.seq for item in out.scheduled if item.samples]
         deltas = None
-        if seqs:
+        if seqs and self._sampling.argmax_only(seqs, self.cfg.vocab_size, self.eos_token_ids):
+            launched = _Pending.launch(seqs, SamplerOutput(logits.argmax(dim=-1)))  # what the sampler would do
+        elif seqs:
             tensors = self._sampling.get(seqs, self.device, self.cfg.vocab_size, self.eos_token_ids)
             batch = SamplingBatch(tensors, generators=[self._generators.get(seq.seq_id) for seq in seqs])
             if tensors.any_penalties or tensors.any_min_tokens:  # they read the outputs on the host
@@ -522,14 +527,20 @@ class LLM:
         detok, params, hold, token_ids = state.detok, request.params, request.hold, completion.token_ids
         taken = 0
         cut = None  # characters of unsent that stay when a stop ends the completion
+        # check_stop can end the completion only at a stop / EOS token, a stop string or max_tokens
+        checks = bool(params.stop)
+        stop_ids, max_tokens = request.stop_token_ids, params.max_tokens
         for token in tokens:
             token_ids.append(token)
             taken += 1
-            piece = detok.add([token]) if detok is not None else ""
+            piece = detok.add_one(token) if detok is not None else ""
             window = state.tail + piece  # the text a stop string ending in the new characters lies in
-            finished, reason, cut_at = check_stop(token_ids, window, len(piece), params, self.eos_token_ids)
-            if cut_at is not None:
-                cut = len(state.unsent) - len(state.tail) + cut_at
+            if checks or token in stop_ids or len(token_ids) >= max_tokens:
+                finished, reason, cut_at = check_stop(token_ids, window, len(piece), params, self.eos_token_ids)
+                if cut_at is not None:
+                    cut = len(state.unsent) - len(state.tail) + cut_at
+            else:
+                finished = False
             state.unsent += piece
             state.tail = window[max(0, len(window) - hold):] if hold else ""
             if not finished and seq.num_prompt_tokens + len(token_ids) >= self.max_model_len:
@@ -537,8 +548,11 @@ class LLM:
             if finished:
                 break
         self.stats.generation_tokens += taken
-        if last_time is not None:
-            # a step that emits several tokens (speculative decoding) spreads its gap over them
+        if last_time is None:
+            pass
+        elif taken == 1:
+            self.stats.inter_token_latency.append(now - last_time)
+        else:  # a step that emits several tokens (speculative decoding) spreads its gap over them
             self.stats.inter_token_latency.extend([(now - last_time) / taken] * taken)
         if logprobs is not None:
             logprobs = logprobs[:taken]

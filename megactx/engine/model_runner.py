@@ -59,8 +59,6 @@ from megactx.model.paged import (
     StagedBuffers,
     alloc_caches,
     cache_bytes_per_token,
-    copy_from_host_,
-    host_block_table,
     kernel_ops,
     slots_of_range,
     to_device_packed,
@@ -320,17 +318,25 @@ class StaticBatch:
     C-speed list extends: a decode step is 64 rows, a prefill chunk one range), writes them with
     numpy into the pinned host twin of the buffers (`StagedBuffers`: every per-row buffer, and the
     `extra` ones a caller asks for, are fields of one block of device memory), and sends it in one
-    copy. The block table has a copy of its own, made only when a sequence's table changed (once
-    in 64 tokens)."""
+    copy. The block table has a pinned host twin and copies of its own, only of the rows whose
+    table changed (a new block once in 64 tokens, a new sequence); with `stable_rows` (the plain
+    engine's decode and mixed steps) a sequence keeps its row while it runs, so a request that ends
+    moves no other."""
 
     def __init__(self, max_seqs: int, q: int, max_blocks: int, device: torch.device, rows: int | None = None,
-                 extra: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None):
+                 extra: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None, stable_rows: bool = False):
         """rows: a ragged batch of that many rows (fill_ragged), where q = 1 and a sequence's tokens
         are consecutive rows, however many; else max_seqs · q rows of q a sequence (fill). extra:
-        more static buffers, name -> (shape, dtype), sent with each fill (`buffers`: see fill)."""
+        more static buffers, name -> (shape, dtype), sent with each fill (`buffers`: see fill).
+        stable_rows (q = 1): each sequence keeps its block-table row from step to step (its rows'
+        `seq_idx` say which), so a step copies only the tables that are new or grew; else sequence
+        b of a fill uses row b, and a sequence that ends moves every later one up a row (for a
+        server, whose oldest request ends first, most steps would copy the whole table)."""
+        assert not stable_rows or q == 1, "stable block-table rows are for one token a sequence (decode, ragged)"
         n = rows or max_seqs * q
         self.q = q
         self.ragged = rows is not None
+        self.stable_rows = stable_rows
         self.buffers = StagedBuffers({
             "rows64": ((3, n), torch.long),  # token, position, slot of each row
             "rows32": ((2, n), torch.int32),  # sequence, key count of each row
@@ -347,15 +353,24 @@ class StaticBatch:
         self.buffers.send()
         self.sample_rows = self.buffers.device["sample_rows"]
         self.block_table = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, device=device)
-        self._tables: list[list[int]] | None = None  # what block_table's first rows hold (_send)
+        self._tables: list[list[int]] = [[] for _ in range(max_seqs)]  # what block_table's rows hold (_tables_in)
+        # the block table's host twin (pinned on CUDA), rows copied from it when they change; an
+        # event behind the last copy guards its reuse, as StagedBuffers' does
+        cuda = torch.device(device).type == "cuda"
+        self._table_twin = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, pin_memory=cuda)
+        self._table_rows = self._table_twin.numpy()
+        self._table_sent = torch.cuda.Event() if cuda else None
+        self._row_of: dict[int, int] = {}  # stable_rows: id(a sequence's block table) -> its row
+        self._free = list(range(max_seqs - 1, -1, -1))  # stable_rows: rows no sequence holds (pop: the lowest)
 
     def view(self, bsz: int, max_keys: int, rows: int | None = None) -> PagedBatch:
         """The metadata of the first bsz sequences' rows (ragged: of the first `rows` rows); max_keys
         (the key bucket) bounds every row's key range without a sync, and sizes the indexer's
         logits buffer."""
         rows = rows or bsz * self.q
+        table = self.block_table if self.stable_rows else self.block_table[:bsz]
         return PagedBatch(self.positions[:rows], self.slots[:rows], self.seq_idx[:rows], self.key_len[:rows],
-                          self.block_table[:bsz], torch.full((rows,), max_keys, dtype=torch.int32))
+                          table, torch.full((rows,), max_keys, dtype=torch.int32))
 
     def clear(self) -> None:
         """Make every row a padding row (before a capture: its runs must not write live blocks)."""
@@ -375,8 +390,23 @@ class StaticBatch:
         `buffers.host()` before the fill, and reads them on the device after it."""
         q = self.q
         m = bsz * q
+        n = len(starts)
+        if q == 1:  # a decode step, one token a sequence: each field in one pass
+            assert all(len(toks) == 1 for toks in token_ids), "a decode fill computes one position a sequence"
+            pad = m - n
+            ids = [toks[0] for toks in token_ids] + [0] * pad
+            pos = [*starts, *[0] * pad]
+            slots = [blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p, blocks in zip(starts, tables)]
+            slots += [-1] * pad
+            key_len = [p + 1 for p in starts] + [0] * pad
+            rows = list(range(n))
+            if self.stable_rows:
+                self.buffers.host()["rows32"][0, :m] = self._tables_in(tables) + [0] * pad
+            else:
+                self._tables_in(tables)
+            return self._write(m, ids, pos, slots, key_len, device_tokens, rows)
         ids, pos, slots, key_len = [0] * m, [0] * m, [-1] * m, [0] * m
-        rows: list[int] = []
+        rows = []
         for b, (start, toks, blocks) in enumerate(zip(starts, token_ids, tables)):
             k, first = len(toks), b * q
             assert k <= q, f"a sequence computes more than q = {q} positions"
@@ -386,43 +416,84 @@ class StaticBatch:
             slots[first : first + k] = slots_of_range(blocks, start, k)
             key_len[first : first + k] = range(start + 1, start + k + 1)
             rows.extend(range(first, first + k))
+        self._tables_in(tables)
+        return self._write(m, ids, pos, slots, key_len, device_tokens, rows)
+
+    def _write(self, m: int, ids: list[int], pos: list[int], slots: list[int], key_len: list[int],
+               device_tokens: DeviceTokens | None, rows: list[int]) -> list[int]:
+        """fill()'s first m rows into the host twin, the rows past them made padding, then sent."""
         host = self.buffers.host()
         rows64, key_lens = host["rows64"], host["rows32"][1]
         rows64[:, :m] = (ids, pos, slots)
         key_lens[:m] = key_len
         rows64[:2, m:], rows64[2, m:], key_lens[m:] = 0, -1, 0  # the rows past the bucket are padding too
-        self._send(tables, device_tokens, rows)
+        self._send(device_tokens, rows)
         return rows
 
-    def _send(self, tables: Sequence[Sequence[int]], device_tokens: DeviceTokens | None,
-              rows: Sequence[int] | None = None) -> None:
-        """After a fill wrote the host twin: the twin in one copy, the device's tokens put in their
-        rows (token p of the step in rows[p]; None: in row p), and the block table, copied only when
-        a sequence's table changed (once in 64 tokens)."""
+    def _send(self, device_tokens: DeviceTokens | None, rows: Sequence[int] | None = None) -> None:
+        """After a fill wrote the host twin: the twin in one copy, and the device's tokens put in
+        their rows (token p of the step in rows[p]; None: in row p)."""
         if device_tokens is not None:
             at = device_tokens.positions if rows is None else [rows[p] for p in device_tokens.positions]
             self.buffers.host()["put"][: len(at)] = at
         self.buffers.send()
         if device_tokens is not None:
             self.input_ids.index_copy_(0, self.buffers.device["put"][: len(at)], device_tokens.values)
-        if tables != self._tables:
-            # columns past the longest table keep older entries: no row reads past its key_len
-            table = host_block_table(tables, len(tables))
-            copy_from_host_(self.block_table[: len(tables), : table.shape[1]], table)
-            self._tables = [list(t) for t in tables]
+
+    def _tables_in(self, tables: Sequence[Sequence[int]]) -> list[int]:
+        """Bring the device block table up to date for a fill of these sequences' tables -> the
+        table row of each (the rows' seq_idx). Only rows whose content changed are copied: a new
+        block comes once in 64 tokens. Without stable_rows sequence b is row b. With them a sequence
+        keeps the row it got at its first fill while it is in every fill (known by its table's
+        identity: the list that grows in place); the rows of sequences missing from a fill are
+        free again. Rows are compared by content, so a row is right whatever it held before."""
+        held = self._tables
+        if self.stable_rows:
+            row_of = self._row_of
+            rows = [row_of.pop(id(t), -1) for t in tables]
+            self._free.extend(row_of.values())  # sequences gone since the last fill
+            self._row_of = row_of = {}
+            for b, t in enumerate(tables):
+                if rows[b] < 0:
+                    rows[b] = self._free.pop()
+                row_of[id(t)] = rows[b]
+        else:
+            rows = list(range(len(tables)))
+        changed = [(r, t) for r, t in zip(rows, tables) if held[r] != t]
+        if not changed:
+            return rows
+        if self._table_sent is not None:
+            self._table_sent.synchronize()  # the twin's last copy has run (long since, normally)
+        twin = self._table_rows
+        for r, t in changed:
+            held[r] = list(t)
+            twin[r, : len(t)] = t  # columns past a table keep older entries: no row reads past its key_len
+        if len(changed) > 4:  # the span of the changed rows in one copy, whole rows: a contiguous
+            # source (a strided one would be staged in pageable memory, a copy that stalls the host)
+            first, end = min(r for r, _ in changed), max(r for r, _ in changed) + 1
+            self.block_table[first:end].copy_(self._table_twin[first:end], non_blocking=True)
+        else:  # a row a copy
+            for r, t in changed:
+                self.block_table[r, : len(t)].copy_(self._table_twin[r, : len(t)], non_blocking=True)
+        if self._table_sent is not None:
+            self._table_sent.record()
+        return rows
 
     def fill_ragged(self, tables: Sequence[Sequence[int]], starts: Sequence[int], token_ids: Sequence[Sequence[int]],
                     rows: int, samples: Sequence[int], device_tokens: DeviceTokens | None = None) -> None:
         """The ragged form of fill(): sequence b's tokens take the next len(token_ids[b]) rows, the
         rows after the last sequence's are padding; sample_rows[j] is the last row of sequence
         samples[j] (the chunks whose last token samples); rows: the row bucket."""
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        seq: list[int] = []
-        key_len: list[int] = []
-        last = []  # each sequence's last row
-        for b, (start, toks, blocks) in enumerate(zip(starts, token_ids, tables)):
+        table_rows = self._tables_in(tables)
+        # the leading one-token sequences (a step's decodes come first), each field in one pass
+        d = next((b for b, toks in enumerate(token_ids) if len(toks) != 1), len(token_ids))
+        ids = [toks[0] for toks in token_ids[:d]]
+        pos = list(starts[:d])
+        slots = [blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p, blocks in zip(pos, tables)]
+        seq = table_rows[:d]
+        key_len = [p + 1 for p in pos]
+        last = list(range(d))  # each sequence's last row
+        for start, toks, blocks, b in zip(starts[d:], token_ids[d:], tables[d:], table_rows[d:]):
             n = len(toks)
             ids.extend(toks)
             pos.extend(range(start, start + n))
@@ -438,7 +509,7 @@ class StaticBatch:
         rows64[:2, n:], rows64[2, n:], rows32[:, n:] = 0, -1, 0  # padding rows
         sample_rows[: len(samples)] = [last[j] for j in samples]
         sample_rows[len(samples) :] = 0
-        self._send(tables, device_tokens)  # ragged rows: token t sits in row t
+        self._send(device_tokens)  # ragged rows: token t sits in row t
 
 
 class StepGraphs:
@@ -478,11 +549,13 @@ class StepGraphs:
         return None if bs is None or keys is None else (bs, keys)
 
     def static_batch(self, name: str, q: int, rows: int | None = None,
-                     extra: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None) -> StaticBatch:
+                     extra: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
+                     stable_rows: bool = False) -> StaticBatch:
         """The static inputs named `name` (one set per use, allocated at first use; rows: ragged;
-        extra: more static buffers sent with each fill, see StaticBatch)."""
+        extra, stable_rows: see StaticBatch)."""
         if name not in self._batches:
-            self._batches[name] = StaticBatch(self.max_num_seqs, q, self.max_blocks, self.runner.device, rows, extra)
+            self._batches[name] = StaticBatch(self.max_num_seqs, q, self.max_blocks, self.runner.device, rows, extra,
+                                              stable_rows)
         return self._batches[name]
 
     def output(self, name: str, rows: int, width: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -525,7 +598,7 @@ class StepGraphs:
         if buckets is None:
             return None
         bs, max_keys = buckets
-        batch = self.static_batch(kind, q)
+        batch = self.static_batch(kind, q, stable_rows=kind == "decode")
         graph = self.captured((kind, bs, max_keys), lambda: self._target(batch, bs, max_keys, kind == "decode"),
                               batch.clear)
         batch.fill(bs, tables, starts, token_ids, device_tokens)
@@ -547,7 +620,7 @@ class StepGraphs:
         keys = next((k for k in self.key_buckets if k >= max(s + len(ids) for s, ids in zip(starts, token_ids))), None)
         if rows is None or keys is None or len(tables) > self.max_num_seqs or rows * keys * 4 > self.MIXED_LOGITS_BYTES:
             return None
-        batch = self.static_batch("mixed", 1, self.row_buckets[-1])
+        batch = self.static_batch("mixed", 1, self.row_buckets[-1], stable_rows=True)
         graph = self.captured(("mixed", rows, keys), lambda: self._mixed(batch, rows, keys), batch.clear)
         batch.fill_ragged(tables, starts, token_ids, rows, samples, device_tokens)
         graph.replay()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -28,13 +28,31 @@ import torch
 from megactx.engine.sampling_params import SamplingParams
 from megactx.kernels import reference
 from megactx.kernels.reference import stream_key
-from megactx.model.paged import to_device
+from megactx.model.paged import to_device, to_device_packed
 
 if TYPE_CHECKING:
     from megactx.engine.sequence import Sequence as Seq
 
 # Padding of token-id tensors ([B, N] with rows of different lengths).
 PAD_ID = -1
+
+
+class SamplingRow(NamedTuple):
+    """One request's row of SamplingTensors, as host values (made once a request)."""
+
+    floats: tuple[float, ...]  # temperature, top_p, min_p, repetition / presence / frequency penalty
+    ints: tuple[int, int]  # top_k ("off" = vocab), min_tokens
+    stops: tuple[int, ...]  # stop_token_ids + EOS (unless ignore_eos)
+    logprobs: int | None
+    argmax_only: bool  # its token is the argmax of the raw logits (Sampler's stages all off)
+
+    @classmethod
+    def of(cls, p: SamplingParams, vocab_size: int, eos_token_ids: Sequence[int] = ()) -> SamplingRow:
+        return cls((p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty),
+                   (min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size, p.min_tokens),
+                   tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(eos_token_ids)), p.logprobs,
+                   p.greedy and p.repetition_penalty == 1 and p.presence_penalty == 0 and p.frequency_penalty == 0
+                   and p.min_tokens == 0 and p.logprobs is None)
 
 
 @dataclass
@@ -67,38 +85,41 @@ class SamplingTensors:
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], device: torch.device | str, vocab_size: int,
                     eos_token_ids: Sequence[int] = ()) -> SamplingTensors:
-        """Build the tensors for one batch of requests (three host-to-device copies, no sync).
+        """Build the tensors for one batch of requests (one host-to-device copy, no sync).
 
         eos_token_ids: the model's EOS ids; with `min_tokens`, they and `stop_token_ids` are
         masked until a row has generated that many tokens."""
-        if not params:
-            raise ValueError("params must hold one SamplingParams per row; got an empty list")
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        return cls.from_rows([SamplingRow.of(p, vocab_size, eos_token_ids) for p in params], device, vocab_size)
 
-        top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
-        stops = [list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids)) for p in params]
-        width = max(len(s) for s in stops)
-        logprobs = [p.logprobs for p in params if p.logprobs is not None]
-        # the fields are rows of three tensors, each one copy (a batch changes most steps of a server)
-        floats = to_device(np.array([[p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
-                                      p.frequency_penalty] for p in params], dtype=np.float32).T, device)
-        ints = to_device(np.array([top_k, [p.min_tokens for p in params]], dtype=np.int64), device)
+    @classmethod
+    def from_rows(cls, rows: Sequence[SamplingRow], device: torch.device | str, vocab_size: int) -> SamplingTensors:
+        """The tensors of rows made by SamplingRow.of (a server's batch changes most steps, and each
+        request's row is made once: `SamplingTensorsCache`)."""
+        if not rows:
+            raise ValueError("params must hold one SamplingParams per row; got an empty list")
+        width = max(len(r.stops) for r in rows)
+        logprobs = [r.logprobs for r in rows if r.logprobs is not None]
+        f = np.array([r.floats for r in rows], dtype=np.float32)  # [B, 6]
+        i = np.array([r.ints for r in rows], dtype=np.int64)  # [B, 2]
+        floats, ints, stops = to_device_packed([
+            f.T.copy(), i.T.copy(),
+            np.array([r.stops + (PAD_ID,) * (width - len(r.stops)) for r in rows], dtype=np.int64)
+            .reshape(len(rows), width)], device)
         temperature, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty = floats
+        greedy = f[:, 0] == 0
         return cls(
             temperature=temperature, top_k=ints[0], top_p=top_p, min_p=min_p,
             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty, min_tokens=ints[1],
-            stop_token_ids=to_device(np.array([s + [PAD_ID] * (width - len(s)) for s in stops], dtype=np.int64)
-                                     .reshape(len(params), width), device),
-            all_greedy=all(p.greedy for p in params),
-            any_greedy=any(p.greedy for p in params),
-            any_top_k=any(k < vocab_size for k in top_k),
-            any_top_p=any(p.top_p < 1 for p in params),
-            any_min_p=any(p.min_p > 0 for p in params),
-            any_penalties=any(p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
-                              for p in params),
-            any_min_tokens=any(p.min_tokens > 0 for p in params) and width > 0,
+            frequency_penalty=frequency_penalty, min_tokens=ints[1], stop_token_ids=stops,
+            all_greedy=bool(greedy.all()),
+            any_greedy=bool(greedy.any()),
+            any_top_k=bool((i[:, 0] < vocab_size).any()),
+            any_top_p=bool((f[:, 1] < 1).any()),
+            any_min_p=bool((f[:, 2] > 0).any()),
+            any_penalties=bool((f[:, 3] != 1).any() or f[:, 4:].any()),
+            any_min_tokens=bool((i[:, 1] > 0).any()) and width > 0,
             max_num_logprobs=max(logprobs) if logprobs else None,
         )
 
@@ -113,21 +134,39 @@ class SamplingTensors:
 
 class SamplingTensorsCache:
     """The SamplingTensors of the last batch of sequences, rebuilt only when the batch changes: a
-    decode step mostly samples for the sequences of the one before, and building them costs host
-    time and a host-to-device copy a field. A sequence's parameters are fixed once it is added."""
+    decode step mostly samples for the sequences of the one before. A sequence's parameters are
+    fixed once it is added, so its row (`SamplingRow`) is made once: a server's batch changes most
+    steps (a request ends, another joins), and a rebuild then costs one array of cached rows and
+    one host-to-device copy — or nothing, when every row is a plain argmax (`argmax_only`)."""
 
     def __init__(self):
         self._key: tuple[int, ...] | None = None
         self._tensors: SamplingTensors | None = None
+        self._rows: dict[int, SamplingRow] = {}  # seq_id -> its row, for the sequences of the last batch
+        self._argmax_only = False
+
+    def _batch(self, seqs: Sequence[Seq], vocab_size: int, eos_token_ids: Sequence[int]) -> tuple[int, ...]:
+        key = tuple(s.seq_id for s in seqs)
+        if key != self._key:
+            cached = self._rows
+            self._rows = {s.seq_id: cached.get(s.seq_id) or SamplingRow.of(s.sampling_params, vocab_size, eos_token_ids)
+                          for s in seqs}
+            self._key, self._tensors = key, None
+            self._argmax_only = all(r.argmax_only for r in self._rows.values())
+        return key
+
+    def argmax_only(self, seqs: Sequence[Seq], vocab_size: int, eos_token_ids: Sequence[int] = ()) -> bool:
+        """Whether every row's token is the argmax of its raw logits (greedy; no penalty, no
+        min_tokens, no logprobs): the sampler then needs none of the tensors."""
+        self._batch(seqs, vocab_size, eos_token_ids)
+        return self._argmax_only
 
     def get(self, seqs: Sequence[Seq], device: torch.device | str, vocab_size: int,
             eos_token_ids: Sequence[int] = ()) -> SamplingTensors:
         """The tensors of `seqs` (each with seq_id and sampling_params), in their order."""
-        key = tuple(s.seq_id for s in seqs)
-        if key != self._key:
-            self._tensors = SamplingTensors.from_params([s.sampling_params for s in seqs], device, vocab_size,
-                                                        eos_token_ids)
-            self._key = key
+        key = self._batch(seqs, vocab_size, eos_token_ids)
+        if self._tensors is None:
+            self._tensors = SamplingTensors.from_rows([self._rows[i] for i in key], device, vocab_size)
         return self._tensors
 
 

@@ -202,19 +202,24 @@ class Scheduler:
         # This loop runs for every sequence every step: it reads token counts directly, not
         # through Sequence's properties (a decode step's host time is mostly such loops).
         prefills = []
+        max_model_len, lookahead, block_size = self.config.max_model_len, self.config.num_lookahead_slots, bm.block_size
+        running = SequenceStatus.RUNNING
         for seq in list(self.running):  # decodes, oldest first; prefills are set aside
             if budget == 0:
                 break
             num_tokens = len(seq.token_ids)
-            if num_tokens - seq.num_computed_tokens > 1:
+            computed = seq.num_computed_tokens
+            if num_tokens - computed > 1:
                 prefills.append(seq)
                 continue
-            if seq.status is not SequenceStatus.RUNNING or self._ended(seq):
-                continue  # preempted earlier in this loop; or its last token (not on the host yet) ends it
+            if (seq.status is not running or num_tokens >= max_model_len  # preempted earlier in this loop, or
+                    or num_tokens - seq.num_prompt_tokens >= seq.sampling_params.max_tokens):  # ended (_ended)
+                continue  # (its last token, not on the host yet, ends it)
             num_drafts = 0
             if drafts := draft_lengths.get(seq.seq_id, 0):
                 num_drafts = min(drafts, self.max_draft_tokens(seq), budget - 1)
-            if not self._reserve(seq, self._slots(seq, 1 + num_drafts), preempted):
+            n = self._slots(seq, 1 + num_drafts) if lookahead else 1 + num_drafts
+            if computed + n > len(seq.block_table) * block_size and not self._reserve(seq, n, preempted):
                 continue  # it had to preempt itself
             scheduled.append(ScheduledSeq(seq, num_tokens - 1, 1, num_drafts))
             budget -= 1 + num_drafts

@@ -86,22 +86,23 @@ class IncrementalDetokenizer:
 
     def add(self, token_ids: list[int]) -> str:
         """Append generated ids; return the new text (possibly empty while a character is incomplete)."""
-        pieces = []
-        for token in token_ids:
-            self.ids.append(token)
-            if self._stream is None:
-                continue
+        return "".join(map(self.add_one, token_ids))
+
+    def add_one(self, token: int) -> str:
+        """Append one generated id; return the new text (the engine calls this for every sequence
+        every step)."""
+        self.ids.append(token)
+        if self._stream is not None:
             try:
                 piece = self._stream.step(self.tokenizer._tok, token)
             except Exception:  # DecodeStream's InvalidPrefix: the window decode, from here on
                 self._stream = None
-                continue
-            if piece is not None:
-                pieces.append(piece)
+            else:
+                if piece is None:
+                    return ""
                 self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        if self._stream is None:
-            pieces.append(self._window())
-        return "".join(pieces)
+                return piece
+        return self._window()
 
     def _window(self) -> str:
         """The text of the ids after read_offset, decoded after the ones before it ("" while a

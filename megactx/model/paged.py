@@ -13,6 +13,7 @@ caller (the engine's model runner, or `Transformer.forward` for a one-shot paged
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -88,14 +89,14 @@ def _layout(specs: Sequence[tuple[tuple[int, ...], np.dtype]]) -> tuple[list[int
     offsets, total = [], 0
     for shape, dtype in specs:
         offsets.append(total)
-        total += -(-int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize // 8) * 8
+        total += -(-math.prod(shape) * np.dtype(dtype).itemsize // 8) * 8
     return offsets, total
 
 
 def _views(buffer: torch.Tensor, specs: Sequence[tuple[tuple[int, ...], np.dtype]],
            offsets: Sequence[int]) -> list[torch.Tensor]:
     """The arrays `specs` (shape, numpy dtype) at `offsets` of the bytes `buffer` [N] uint8, as tensors."""
-    return [buffer[o : o + int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize]
+    return [buffer[o : o + math.prod(shape) * np.dtype(dtype).itemsize]
             .view(_TORCH_DTYPES[np.dtype(dtype)]).view(shape) for (shape, dtype), o in zip(specs, offsets)]
 
 
