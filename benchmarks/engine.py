@@ -29,9 +29,10 @@ offline engine stays loaded beside the server (idle while the clients run), sinc
 speed drifts, within a run, by more than the 10% to be measured. Twice, side by side: with the engine in a thread of
 the server's process (`--no-engine-process`), and in a process of its own (serve's default;
 `--no-online-engine-process` skips that run). Beside them,
-the same workload on the offline engine in-process, without HTTP (C requests in flight, a client's
-next added when its last ends): what the engine itself makes of requests that arrive as others end,
-so that the overhead splits into the engine's part and the server's.
+the same workload on the offline engine in-process, without HTTP (C requests in flight, the clients
+starting one a step, a client's next added when its last ends): what the engine itself makes of
+requests that arrive as others end, so that the overhead splits into the engine's part and the
+server's.
 
 Targets (the issue's): megactx >= 10x transformers' output tokens/s at batch 64 on a GPU; server
 overhead <= 10%.
@@ -652,7 +653,9 @@ def _nothing() -> None:
 def run_closed_loop(llm, s: Settings, between: Callable[[], object] = _nothing) -> RunFigures:
     """The online run's workload on `llm` in-process: a warm-up round of C requests, then R requests
     (the online run's prompts) in `s.rounds` rounds, each with C in flight, a client's next added when
-    its last finishes. between(): called before the first round and after each (not timed)."""
+    its last finishes. The C clients of a round start one a step, so that their requests end apart as
+    a server's do (started together, they would all end in one step and join in the next: the
+    offline batch again). between(): called before the first round and after each (not timed)."""
     from megactx import SamplingParams
 
     vocab = llm.cfg.vocab_size
@@ -666,9 +669,11 @@ def run_closed_loop(llm, s: Settings, between: Callable[[], object] = _nothing) 
             between()  # offline runs log their steps elsewhere (logged_steps of their own)
             waiting = iter(prompts)
             start = time.perf_counter()
-            for _ in range(s.concurrency):
-                _send_next(llm, waiting, params, outs)
-            while llm.has_unfinished():
+            starting = s.concurrency  # clients not started yet: one joins a step, as clients that connect apart do
+            while starting or llm.has_unfinished():
+                if starting:
+                    _send_next(llm, waiting, params, outs)
+                    starting -= 1
                 for delta in llm.step():
                     if delta.finish_reason is not None:
                         _send_next(llm, waiting, params, outs)
@@ -995,11 +1000,11 @@ def render_markdown(results: dict[str, Any], targets: list[dict[str, Any]]) -> s
                    "Overhead: 1 − tokens/s ÷ offline tokens/s at the batch of the clients, the mean of offline "
                    f"runs ({REFERENCE_RUNS} at a time) before the first round and after each (the host's speed "
                    "drifts between parts of a run; min – max beside it). The first row runs the "
-                   "same requests on the offline engine in-process (a client's next request added as its last ends, no "
-                   "HTTP): its overhead is the engine's own, from requests arriving as others end; the rest is the "
-                   "server's. TTFT mean, client / server: the clients' mean against the server's own (its "
-                   "/metrics histogram, from its request handler): the difference is spent before the handler "
-                   "(connection, parsing, the event loop's queue).\n")
+                   "same requests on the offline engine in-process (the clients starting one a step, a client's "
+                   "next request added as its last ends, no HTTP): its overhead is the engine's own, from requests "
+                   "arriving as others end; the rest is the server's. TTFT mean, client / server: the clients' "
+                   "mean against the server's own (its /metrics histogram, from its request handler): the "
+                   "difference is spent before the handler (connection, parsing, the event loop's queue).\n")
         rows = []
         for label, f in runs:
             offline = _reference(results, f)

@@ -227,7 +227,8 @@ def test_online_run_through_megactx_serve(ckpt, extra_args):
 
 def test_the_closed_loop_keeps_the_clients_in_flight_and_gets_its_row(ckpt, tmp_path):
     """The online workload on the offline engine, in-process: R requests of M tokens, never more
-    than C at once, the next sent as one ends; the report shows it above the server runs."""
+    than C at once, the clients starting one a step, the next sent as one ends; the report shows it
+    above the server runs."""
     from megactx import LLM
 
     s = Settings("cpu", [2], prompt_len=8, output_len=4, warmup_len=2, concurrency=3, requests=7, threads=1)
@@ -238,6 +239,7 @@ def test_the_closed_loop_keeps_the_clients_in_flight_and_gets_its_row(ckpt, tmp_
     f = run_closed_loop(llm, s)
     assert (f.engine, f.batch, f.requests, f.output_tokens) == (CLOSED, 3, 7, 7 * 4)
     assert max(in_flight) == 3 and in_flight.count(3) > len(in_flight) // 2
+    assert in_flight[2:5] == [1, 2, 3]  # after the warm-up's 2 steps the clients start one a step
     assert f.ttft_s["n"] == f.latency_s["n"] == 7 and f.ttft_s["p99"] <= f.latency_s["p99"] <= f.wall_s
     assert f.detail["engine_steps"]["steps"] == len(in_flight) - 2  # the warm-up's 2 steps are not logged
     results = _fake_results("cuda", 6000.0, 500.0, 5700.0) | {CLOSED_LOOP: _run(CLOSED, 64, 5900.0, requests=256)}
