@@ -548,12 +548,13 @@ class LLM:
             if finished:
                 break
         self.stats.generation_tokens += taken
-        if last_time is None:
-            pass
-        elif taken == 1:
-            self.stats.inter_token_latency.append(now - last_time)
-        else:  # a step that emits several tokens (speculative decoding) spreads its gap over them
-            self.stats.inter_token_latency.extend([(now - last_time) / taken] * taken)
+        if last_time is not None:
+            # a step that emits several tokens (speculative decoding) spreads its gap over them
+            gap = (now - last_time) / taken
+            if taken == 1:
+                self.stats.inter_token_latency.append(gap)
+            else:
+                self.stats.inter_token_latency.extend([gap] * taken)
         if logprobs is not None:
             logprobs = logprobs[:taken]
             completion.logprobs.extend(logprobs)
