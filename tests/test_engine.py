@@ -337,13 +337,15 @@ def test_static_batch_puts_device_tokens_in_their_rows_and_sends_block_tables_wh
     assert batch.block_table[:2, :3].tolist() == [[5, 0, 0], [7, 8, 9]]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("ragged", [False, True])
-def test_static_batch_stable_rows_keep_each_sequence_on_its_block_table_row(ragged):
+def test_static_batch_stable_rows_keep_each_sequence_on_its_block_table_row(ragged, device):
     """With stable_rows a sequence keeps its block-table row while it is in every fill (a server's
     oldest request ends first: sequence b = row b would move every other one), whatever joins,
-    ends or grows around it; each fill's seq_idx names a row holding that sequence's table."""
+    ends or grows around it; each fill's seq_idx names a row holding that sequence's table (on
+    CUDA: rows copied asynchronously from the pinned twin, which the next fill rewrites)."""
     rng = random.Random(0)
-    batch = StaticBatch(max_seqs=6, q=1, max_blocks=8, device=torch.device("cpu"), rows=64 if ragged else None,
+    batch = StaticBatch(max_seqs=6, q=1, max_blocks=8, device=torch.device(device), rows=64 if ragged else None,
                         stable_rows=True)
     live: list[list[int]] = []  # each sequence's table: a list that grows in place, as Sequence.block_table
     ended = []  # kept alive, so that no new table takes an ended one's id and the stability check holds
@@ -371,6 +373,20 @@ def test_static_batch_stable_rows_keep_each_sequence_on_its_block_table_row(ragg
             assert rows_before.get(id(table), row) == row, f"step {step}: a sequence moved to another row"
         rows_before = {id(t): r for t, r in zip(live, seq_idx)}
         assert batch.view(len(live), 512, rows=32 if ragged else None).block_table.shape[0] == 6  # every row
+
+
+@pytest.mark.gpu
+def test_static_batch_block_table_twin_is_not_rewritten_before_its_copy_runs():
+    """A fill queues its block-table row copies from the pinned twin without waiting; the next fill
+    waits for them before it rewrites the twin, so the step between sees its own tables."""
+    batch = StaticBatch(max_seqs=2, q=1, max_blocks=4, device=torch.device("cuda"), stable_rows=True)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(500_000_000)  # a kernel that spins for a few hundred ms
+    batch.fill(2, [[5]], [0], [[1]])  # a sequence takes row 0: its copy queued behind the spin
+    assert not torch.cuda.current_stream().query()  # the fill did not wait for it
+    seen = batch.block_table[0, :1].clone()  # what a step queued now reads
+    batch.fill(2, [[9]], [0], [[1]])  # it ended and another takes row 0: the twin's row changes
+    assert seen.tolist() == [5] and batch.block_table[0, :1].tolist() == [9]
 
 
 def test_eager_capture_replays_into_the_captured_outputs():
