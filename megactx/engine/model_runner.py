@@ -60,6 +60,7 @@ from megactx.model.paged import (
     alloc_caches,
     cache_bytes_per_token,
     kernel_ops,
+    slots_of_positions,
     slots_of_range,
     to_device_packed,
 )
@@ -396,15 +397,12 @@ class StaticBatch:
             pad = m - n
             ids = [toks[0] for toks in token_ids] + [0] * pad
             pos = [*starts, *[0] * pad]
-            slots = [blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p, blocks in zip(starts, tables)]
-            slots += [-1] * pad
+            slots = slots_of_positions(tables, starts) + [-1] * pad
             key_len = [p + 1 for p in starts] + [0] * pad
-            rows = list(range(n))
-            if self.stable_rows:
-                self.buffers.host()["rows32"][0, :m] = self._tables_in(tables) + [0] * pad
-            else:
-                self._tables_in(tables)
-            return self._write(m, ids, pos, slots, key_len, device_tokens, rows)
+            table_rows = self._tables_in(tables)
+            if self.stable_rows:  # else the rows' seq_idx stay 0, 1, ..., set once
+                self.buffers.host()["rows32"][0, :m] = table_rows + [0] * pad
+            return self._write(m, ids, pos, slots, key_len, device_tokens, list(range(n)))
         ids, pos, slots, key_len = [0] * m, [0] * m, [-1] * m, [0] * m
         rows = []
         for b, (start, toks, blocks) in enumerate(zip(starts, token_ids, tables)):
@@ -489,7 +487,7 @@ class StaticBatch:
         d = next((b for b, toks in enumerate(token_ids) if len(toks) != 1), len(token_ids))
         ids = [toks[0] for toks in token_ids[:d]]
         pos = list(starts[:d])
-        slots = [blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p, blocks in zip(pos, tables)]
+        slots = slots_of_positions(tables, pos)
         seq = table_rows[:d]
         key_len = [p + 1 for p in pos]
         last = list(range(d))  # each sequence's last row

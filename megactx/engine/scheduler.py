@@ -212,9 +212,12 @@ class Scheduler:
             if num_tokens - computed > 1:
                 prefills.append(seq)
                 continue
-            if (seq.status is not running or num_tokens >= max_model_len  # preempted earlier in this loop, or
-                    or num_tokens - seq.num_prompt_tokens >= seq.sampling_params.max_tokens):  # ended (_ended)
-                continue  # (its last token, not on the host yet, ends it)
+            if seq.status is not running:
+                continue  # preempted earlier in this loop
+            # It has all its tokens by count (max_model_len, or max_tokens outputs): the engine finishes
+            # it when it sees its last token, which an overlapped engine schedules the next step before.
+            if num_tokens >= max_model_len or num_tokens - seq.num_prompt_tokens >= seq.sampling_params.max_tokens:
+                continue
             num_drafts = 0
             if drafts := draft_lengths.get(seq.seq_id, 0):
                 num_drafts = min(drafts, self.max_draft_tokens(seq), budget - 1)
@@ -257,13 +260,6 @@ class Scheduler:
             budget -= n
 
         return SchedulerOutput(scheduled, preempted, self.config.max_num_batched_tokens - budget)
-
-    def _ended(self, seq: Sequence) -> bool:
-        """`seq` has all its tokens by count (max_tokens outputs, or max_model_len tokens). The
-        engine finishes such a sequence when it sees its last token; an engine that overlaps a
-        step with the next one schedules that next step before, and must not compute past the end."""
-        return (seq.num_output_tokens >= seq.sampling_params.max_tokens
-                or seq.num_tokens >= self.config.max_model_len)
 
     def _take_lookahead_if_free(self, seq: Sequence, n: int) -> None:
         """A prefill chunk of n positions that samples gets its lookahead slots when the pool has

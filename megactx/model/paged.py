@@ -182,6 +182,11 @@ def host_block_table(tables: Sequence[Sequence[int]], bsz: int) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int32).view(bsz, width)  # one tensor a step, not one a sequence
 
 
+def slots_of_positions(tables: Sequence[Sequence[int]], positions: Sequence[int]) -> list[int]:
+    """The KV slot of one position of each sequence (a decode step's), over its physical blocks tables[b]."""
+    return [blocks[p // ref.BLOCK_SIZE] * ref.BLOCK_SIZE + p % ref.BLOCK_SIZE for p, blocks in zip(positions, tables)]
+
+
 def slots_of_range(blocks: Sequence[int], start: int, n: int) -> list[int]:
     """The KV slots (block * 64 + offset) of one sequence's consecutive positions start .. start + n - 1
     over its physical blocks, built one range a block (the engine fills its step inputs this way every step)."""
