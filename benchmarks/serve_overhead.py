@@ -147,6 +147,7 @@ class _MockRequest:
     params: Any  # SamplingParams
     produced: list[int]  # tokens made so far, per completion
     finished: list[bool]
+    detokenize: bool = True  # else its deltas carry no text (the server makes it)
 
 
 class _MockScheduler:
@@ -200,20 +201,27 @@ class MockLLM:
         self._top = {t: -1.0 - 0.25 * i for i, t in enumerate(ids[:20])}  # a fixed top-20 for logprobs
 
     # ---------------------------------------------------------------------------- LLM's surface
-    def add_request(self, prompt_token_ids: list[int], params, request_id: str) -> None:
-        """Refuses what LLM refuses for length (ValueError), accepts everything else."""
+    def add_request(self, prompt_token_ids: list[int], params, request_id: str, detokenize: bool = True) -> None:
+        """Refuses what LLM refuses for length (ValueError), accepts everything else. (With
+        detokenize=False, as the server adds requests, its deltas carry token ids only.)"""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens and max_tokens {params.max_tokens} "
                              f"does not fit in the context of {self.max_model_len}")
-        self.requests[request_id] = _MockRequest(request_id, params, [0] * params.n, [False] * params.n)
+        self.requests[request_id] = _MockRequest(request_id, params, [0] * params.n, [False] * params.n, detokenize)
         self.num_unfinished_seqs += params.n
 
-    def abort(self, request_id: str) -> None:
-        request = self.requests.pop(request_id, None)
-        if request is not None:
-            self.num_unfinished_seqs -= request.finished.count(False)
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        for i in range(len(request.finished)) if index is None else [index]:
+            if not request.finished[i]:
+                request.finished[i] = True
+                self.num_unfinished_seqs -= 1
+        if all(request.finished):
+            del self.requests[request_id]
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -239,7 +247,8 @@ class MockLLM:
             if request.params.logprobs is not None:
                 top = dict(list(self._top.items())[: request.params.logprobs])
                 logprobs = [TokenLogprobs(token, -0.5, top)]
-            deltas.append(Delta(request.request_id, index, self._texts[token], [token], logprobs, finish))
+            text = self._texts[token] if request.detokenize else ""
+            deltas.append(Delta(request.request_id, index, text, [token], logprobs, finish))
         for request, _ in running:
             if all(request.finished):
                 self.requests.pop(request.request_id, None)

@@ -251,6 +251,26 @@ def test_abort_frees_the_blocks(model):
     assert llm.block_manager.num_used_blocks == 0 and not llm.has_unfinished()
 
 
+def test_aborting_one_completion_leaves_the_others_running_and_token_id_requests_carry_no_text(model, tokenizer_dir):
+    """What the server does with a stop string it found: `abort(request_id, index)` ends that
+    completion alone (its blocks freed); the request's other completion goes on to its end, and
+    a request added with detokenize=False has no text (stop strings are not applied either)."""
+    llm = LLM(model, device="cpu", tokenizer=tokenizer_dir, num_blocks=16)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=2, stop=["e"])
+    rid = llm.add_request(_prompts([100])[0], greedy, detokenize=False)
+    request = llm.requests[rid]
+    for _ in range(3):
+        llm.step()
+    used = llm.block_manager.num_used_blocks
+    llm.abort(rid, 0)
+    assert llm.block_manager.num_used_blocks < used and request.output.outputs[0].finish_reason == "abort"
+    while llm.has_unfinished():
+        llm.step()
+    second = request.output.outputs[1]
+    assert second.finish_reason == "length" and len(second.token_ids) == 12 and second.text == ""
+    assert llm.block_manager.num_used_blocks == 0 and rid not in llm.requests
+
+
 def test_bad_requests_are_refused_with_reasons(model):
     llm = LLM(model, device="cpu", num_blocks=16, max_model_len=256)
     with pytest.raises(ValueError, match="context is 256"):

@@ -8,7 +8,6 @@ from megactx.engine.sampler import (
     Sampler,
     SamplingBatch,
     SamplingTensors,
-    SamplingTensorsCache,
     apply_penalties,
     make_generator,
     pad_token_ids,
@@ -16,7 +15,7 @@ from megactx.engine.sampler import (
     sample,
     token_counts,
 )
-from megactx.engine.sampling_params import MAX_LOGPROBS, SamplingParams, check_stop
+from megactx.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 VOCAB = 10
 
@@ -264,52 +263,6 @@ def test_min_tokens_blocks_eos_and_stop_tokens_until_reached():
     assert Sampler()(logits, late).tokens.tolist() == [1]
 
 
-# ----------------------------------------------------------------------------- stopping
-
-
-EOS = (100, 101)
-
-
-def test_stop_string_cuts_the_text_before_it():
-    params = SamplingParams(stop=["###", "END"], max_tokens=50)
-    assert check_stop([5, 6], "hello END there", 9, params, EOS) == (True, "stop", 6)
-    assert check_stop([5, 6], "hello", 5, params, EOS) == (False, None, None)
-
-
-def test_stop_string_spanning_two_chunks_is_found():
-    params = SamplingParams(stop=["###"], max_tokens=50)
-    assert check_stop([5], "abc#", 4, params, EOS) == (False, None, None)
-    assert check_stop([5, 6], "abc##!", 2, params, EOS) == (False, None, None)
-    assert check_stop([5, 6, 7], "abc##!#", 1, params, EOS) == (False, None, None)
-    assert check_stop([5, 6], "abc###x", 3, params, EOS) == (True, "stop", 3)
-
-
-def test_the_earliest_stop_string_wins():
-    params = SamplingParams(stop=["zz", "b"], max_tokens=50)
-    assert check_stop([5], "a b zz", 6, params, EOS) == (True, "stop", 2)
-
-
-@pytest.mark.parametrize("eos", EOS)
-def test_any_eos_id_stops_and_its_text_is_dropped(eos):
-    params = SamplingParams(max_tokens=50)
-    assert check_stop([5, eos], "hi</s>", 4, params, EOS) == (True, "stop", 2)
-    assert check_stop([5, eos], "hi", 0, params, EOS) == (True, "stop", None)
-
-
-def test_stop_token_ids_stop_even_with_ignore_eos():
-    params = SamplingParams(stop_token_ids=[7], ignore_eos=True, max_tokens=50)
-    assert check_stop([5, 100], "ab", 1, params, EOS) == (False, None, None)
-    assert check_stop([5, 7], "ab", 1, params, EOS) == (True, "stop", 1)
-
-
-def test_max_tokens_finishes_with_length_and_min_tokens_delays_stops():
-    assert check_stop([5, 6, 7], "abc", 1, SamplingParams(max_tokens=3), EOS) == (True, "length", None)
-    assert check_stop([5, 6, 7], "abc", 1, SamplingParams(max_tokens=4), EOS) == (False, None, None)
-    params = SamplingParams(min_tokens=3, max_tokens=5, stop=["b"])
-    assert check_stop([5, 100], "ab", 1, params, EOS) == (False, None, None)
-    assert check_stop([5, 6, 100], "abc", 1, params, EOS) == (True, "stop", 2)
-
-
 # ----------------------------------------------------------------------------- validation
 
 
@@ -327,76 +280,3 @@ def test_sampling_params_name_the_bad_field(bad):
 
 def test_a_single_stop_string_becomes_a_list():
     assert SamplingParams(stop="\n").stop == ["\n"]
-
-
-def test_check_stop_refuses_more_new_chars_than_text():
-    with pytest.raises(ValueError, match="num_new_chars"):
-        check_stop([1], "ab", 3, SamplingParams(), EOS)
-
-
-# ----------------------------------------------------------------------------- on the GPU
-
-
-@pytest.mark.gpu
-def test_cuda_seeded_rows_are_batch_invariant_and_distributions_match_cpu():
-    vocab, steps = 151_552, 6  # a GLM-sized vocabulary
-    gen = torch.Generator().manual_seed(11)
-    logits_steps = [torch.randn(4, vocab, generator=gen).cuda() * 3 for _ in range(steps)]
-    seeded = SamplingParams(seed=77, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.2)
-    params = [SamplingParams(), seeded, SamplingParams(temperature=0.0), SamplingParams(seed=3, top_p=0.5)]
-    tensors = SamplingTensors.from_params(params, "cuda", vocab)
-    history = pad_token_ids([[1, 2], [3, 4, 5], [], [6]], "cuda")
-
-    def tokens_of(row_logits, step_tensors, generators, row, out_ids):
-        batch = SamplingBatch(step_tensors, output_token_ids=out_ids, generators=generators)
-        return [Sampler()(logits, batch).tokens[row].item() for logits in row_logits]
-
-    gens = [None, make_generator(77), None, make_generator(3)]
-    batched = tokens_of(logits_steps, tensors, gens, 1, history)
-    alone_tensors = SamplingTensors.from_params([seeded], "cuda", vocab)
-    alone = tokens_of([s[1:2] for s in logits_steps], alone_tensors, [make_generator(77)], 0, history[1:2])
-    assert alone == batched
-
-    cpu_probs = process_logits(logits_steps[0].cpu(), SamplingTensors.from_params(params, "cpu", vocab))
-    torch.testing.assert_close(process_logits(logits_steps[0], tensors).cpu(), cpu_probs, atol=1e-6, rtol=1e-4)
-
-    probs = torch.tensor([0.1, 0.2, 0.3, 0.15, 0.25], device="cuda")
-    drawn = sample(probs.expand(20_000, 5).contiguous(), shared_generator=torch.Generator(device="cuda").manual_seed(7))
-    assert chi_square(drawn.cpu(), probs.cpu()) < CHI2_4_DOF_P001
-
-
-def test_sampling_tensors_are_rebuilt_only_when_the_batch_changes():
-    from types import SimpleNamespace
-
-    greedy, hot = SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=5)
-    seq3, seq4 = SimpleNamespace(seq_id=3, sampling_params=greedy), SimpleNamespace(seq_id=4, sampling_params=hot)
-    cache = SamplingTensorsCache()
-    first = cache.get([seq3, seq4], "cpu", 32)
-    assert cache.get([seq3, seq4], "cpu", 32) is first  # the same sequences: no rebuild
-    swapped = cache.get([seq4, seq3], "cpu", 32)  # same sequences, another order: rebuilt
-    assert swapped is not first and swapped.temperature.tolist() == pytest.approx([0.7, 0.0])
-    fresh = SamplingTensors.from_params([hot], "cpu", 32)
-    got = cache.get([seq4], "cpu", 32)
-    assert torch.equal(got.temperature, fresh.temperature) and torch.equal(got.top_k, fresh.top_k)
-
-
-def test_argmax_only_batches_are_those_whose_sampler_would_take_the_raw_argmax():
-    """The engine skips the sampler (and its tensors) when every row is plain greedy; any stage that
-    could change a row's token or ask for more than it (logprobs) makes the batch go through it."""
-    from types import SimpleNamespace
-
-    plain = SamplingParams(temperature=0.0, max_tokens=8)
-    cache = SamplingTensorsCache()
-    seqs = [SimpleNamespace(seq_id=i, sampling_params=plain) for i in range(3)]
-    assert cache.argmax_only(seqs, 32, [1])
-    logits = torch.randn(3, 32)
-    sampled = Sampler()(logits, SamplingBatch(cache.get(seqs, "cpu", 32, [1]))).tokens
-    assert torch.equal(sampled, logits.argmax(dim=-1))
-    for other in (SamplingParams(temperature=0.5), SamplingParams(temperature=0.0, logprobs=2),
-                  SamplingParams(temperature=0.0, repetition_penalty=1.2),
-                  SamplingParams(temperature=0.0, presence_penalty=0.5),
-                  SamplingParams(temperature=0.0, frequency_penalty=0.5),
-                  SamplingParams(temperature=0.0, min_tokens=2)):
-        mixed = seqs + [SimpleNamespace(seq_id=9, sampling_params=other)]
-        assert not cache.argmax_only(mixed, 32, [1]), other
-        assert cache.argmax_only(seqs, 32, [1])  # the batch without it again

@@ -365,18 +365,23 @@ class _IdleLLM:
     """An LLM that admits every request and never steps: a test hands the AsyncEngine its steps."""
 
     max_num_seqs = 4
+    tokenizer = None  # token ids only: the deltas' text is the test's
 
-    def __init__(self):
+    def __init__(self, tokenizer=None):
+        self.tokenizer = tokenizer
+        self.aborted: list[tuple[str, int | None]] = []
         self.scheduler = SimpleNamespace(num_running=0, num_waiting=0)
         self.block_manager = SimpleNamespace(num_used_blocks=0, num_free_blocks=8, prefix_cache_hit_rate=0.0)
         self.stats = EngineStats()
         self.requests: dict[str, SamplingParams] = {}
 
-    def add_request(self, prompt_token_ids, params, request_id):
+    def add_request(self, prompt_token_ids, params, request_id, detokenize=True):
         self.requests[request_id] = params
 
-    def abort(self, request_id):
-        self.requests.pop(request_id, None)
+    def abort(self, request_id, index=None):
+        self.aborted.append((request_id, index))
+        if index is None:
+            self.requests.pop(request_id, None)
 
     def has_unfinished(self):
         return False
@@ -400,6 +405,52 @@ def _token_ids(batch):
     return [d.token_ids for _, d in batch]
 
 
+def test_the_server_makes_the_text_and_a_stop_string_it_finds_stops_that_completion_in_the_engine():
+    """The engine sends token ids only; the stream decodes them at each hand-over. A stop string
+    cuts its completion's text, tokens and logprobs, finishes it with "stop" at once, tells the
+    engine to stop that completion alone, and drops the tokens the engine made meanwhile; the
+    request's other completion runs on."""
+    from megactx.engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(Path(__file__).resolve().parents[1] / "models" / "megactx-tiny")
+    words = [tokenizer.encode(w) for w in ("alpha", " beta", " STOP", " gamma", " delta")]
+
+    async def scenario():
+        llm = _IdleLLM(tokenizer)
+        engine = AsyncEngine(llm, max_queued_requests=0, max_handovers_per_s=0)
+        engine.start()
+        stream = engine.submit([[1, 2, 3]], [SamplingParams(max_tokens=40, n=2, stop=["STOP"], logprobs=0)], "r")
+        await stream.admitted()
+        batches = stream.batches()
+
+        def step(index, ids, finish=None):
+            lps = [TokenLogprobs(t, -1.0, {}) for t in ids]
+            engine._dispatch([Delta("r", index, "", ids, lps, finish)], time.perf_counter())
+
+        step(0, words[0] + words[1])
+        step(1, words[0])
+        first = {d.index: d for _, d in await anext(batches)}
+        assert first[0].text == "alpha b" and first[1].text == "al"  # len("STOP") - 1 characters held back
+        step(0, words[2] + words[3])  # " STOP gamma": the stop string, and a token after it
+        (_, cut), = await anext(batches)
+        assert cut.index == 0 and cut.text == "eta " and cut.finish_reason == "stop"
+        assert cut.token_ids == words[2] and len(cut.logprobs) == len(words[2])
+        step(0, words[4])  # made by the engine before it heard: dropped
+        step(1, words[3], "length")
+        (_, last), = await anext(batches)
+        assert last.index == 1 and last.text == "pha gamma" and last.finish_reason == "length"
+        with pytest.raises(StopAsyncIteration):
+            await anext(batches)
+        for _ in range(100):  # the abort reaches the engine thread
+            if llm.aborted:
+                break
+            await asyncio.sleep(0.01)
+        assert llm.aborted == [("r", 0)]
+        await engine.shutdown()
+
+    asyncio.run(scenario())
+
+
 def test_a_stream_hands_over_what_waited_at_once_and_paces_the_rest_by_its_budget():
     async def scenario():
         # 5 hand-overs a second for steps of one sequence: 200 ms between a stream's hand-overs
@@ -408,7 +459,7 @@ def test_a_stream_hands_over_what_waited_at_once_and_paces_the_rest_by_its_budge
         batches = stream.batches()
         for i in range(3):  # the consumer is elsewhere (slow): the deltas wait for it
             step(_delta(i))
-        assert _token_ids(await anext(batches)) == [[0], [1], [2]]
+        assert _token_ids(await anext(batches)) == [[0, 1, 2]]  # merged: one delta a completion
         handed_over = loop.time()
 
         later = asyncio.ensure_future(anext(batches))
@@ -417,7 +468,7 @@ def test_a_stream_hands_over_what_waited_at_once_and_paces_the_rest_by_its_budge
             step(_delta(i))
         await asyncio.sleep(0.02)
         assert not later.done()  # not due; and as no step comes, the engine's timer hands them over
-        assert _token_ids(await asyncio.wait_for(later, TIMEOUT_S)) == [[3], [4]]
+        assert _token_ids(await asyncio.wait_for(later, TIMEOUT_S)) == [[3, 4]]
         assert loop.time() - handed_over >= 0.19
         handed_over = loop.time()
 
@@ -428,7 +479,7 @@ def test_a_stream_hands_over_what_waited_at_once_and_paces_the_rest_by_its_budge
             step(_delta(token))
             token += 1
             await asyncio.sleep(0)
-        assert _token_ids(later.result()) == [[t] for t in range(5, token)] and token - 5 >= 2
+        assert _token_ids(later.result()) == [list(range(5, token))] and token - 5 >= 2
         assert loop.time() - handed_over >= 0.19
 
         later = asyncio.ensure_future(anext(batches))

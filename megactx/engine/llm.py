@@ -53,14 +53,14 @@ from megactx.engine.sampler import (
     make_generator,
     pad_token_ids,
 )
-from megactx.engine.sampling_params import SamplingParams, check_stop
+from megactx.engine.sampling_params import SamplingParams
 from megactx.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from megactx.engine.sequence import Sequence as Seq
 from megactx.engine.spec_decode import DRAFT_ACCEPTANCE, MTP_MODES, SpecConfig, SpecDecoder, SpecDecodeStats
 from megactx.engine.steplog import StepLog
-from megactx.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from megactx.engine.tokenizer import CompletionText, IncrementalDetokenizer, Tokenizer
 from megactx.kernels.reference import BLOCK_SIZE
-from megactx.model.paged import HostCopy, cache_bytes_per_token, resolve_cache_dtype, to_device
+from megactx.model.paged import HostCopy, cache_bytes_per_token, resolve_cache_dtype
 from megactx.model.transformer import Transformer
 
 log = logging.getLogger("megactx")
@@ -96,18 +96,14 @@ class _Pending:
 
 
 class _Completion:
-    """The streaming state of one completion of a request. Its decoded text lives in three bounded
-    parts: what was streamed (`output`'s pieces), `unsent` (decoded, not streamed yet: at most the
-    held-back characters and the last step's), and `tail`, its last `hold` characters, in which a
-    stop string that ends in the next token's text must start."""
+    """The streaming state of one completion of a request: its output, its text (None: token ids
+    only) and the time of its last token."""
 
-    __slots__ = ("output", "detok", "unsent", "tail", "last_token_time")
+    __slots__ = ("output", "text", "last_token_time")
 
-    def __init__(self, output: CompletionOutput, detok: IncrementalDetokenizer | None):
+    def __init__(self, output: CompletionOutput, text: CompletionText | None):
         self.output = output
-        self.detok = detok
-        self.unsent = ""
-        self.tail = ""
+        self.text = text
         self.last_token_time: float | None = None
 
 
@@ -119,10 +115,10 @@ class _Request:
                                      for i in range(len(seqs))], arrival_time=time.perf_counter())
         self.params = params
         self.seqs = seqs
-        self.completions = [_Completion(out, IncrementalDetokenizer(tokenizer, prompt_ids) if tokenizer else None)
+        self.completions = [_Completion(out, CompletionText(IncrementalDetokenizer(tokenizer, prompt_ids), params.stop,
+                                                            params.min_tokens) if tokenizer else None)
                             for out in self.output.outputs]
-        self.hold = max((len(s) - 1 for s in params.stop), default=0)  # could start a stop string: held back
-        # the tokens that end it (what check_stop looks for besides stop strings and max_tokens)
+        # the tokens that end it (stop token ids, and EOS unless ignore_eos)
         self.stop_token_ids = frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else eos_token_ids)
 
 
@@ -321,9 +317,13 @@ class LLM:
 
     # ---------------------------------------------------------------------------- requests
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, detokenize: bool = True) -> str:
         """Queue a prompt (text, or token ids); returns the request id. Raises ValueError for a
-        prompt that cannot be served (empty, too long, or text without a tokenizer)."""
+        prompt that cannot be served (empty, too long, or text without a tokenizer).
+
+        detokenize=False: the engine handles the request's token ids only — its outputs and
+        deltas carry no text, and its stop strings are the caller's to apply (CompletionText, then
+        `abort(request_id, index)`): what `megactx serve` does, in its own process."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
@@ -345,12 +345,13 @@ class LLM:
             raise ValueError(f"max_tokens {params.max_tokens} does not fit: the prompt has {len(prompt_ids)} "
                              f"tokens and the context is {self.max_model_len}, so at most "
                              f"{self.max_model_len - len(prompt_ids)} tokens can be generated")
-        if params.stop and self.tokenizer is None:
+        if params.stop and self.tokenizer is None and detokenize:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids")
         seqs = [Seq(next(self._ids), prompt_ids, params, request_id) for _ in range(params.n)]
         for seq in seqs:
             self.scheduler.add(seq)  # may refuse (a request the cache can never hold): then none is added
-        request = _Request(request_id, text, prompt_ids, params, seqs, self.tokenizer, self.eos_token_ids)
+        request = _Request(request_id, text, prompt_ids, params, seqs, self.tokenizer if detokenize else None,
+                           self.eos_token_ids)
         if self.spec is not None:
             request.output.spec_decode = SpecDecodeStats(self.spec.config.num_speculative_tokens)
         self.requests[request_id] = request
@@ -364,16 +365,20 @@ class LLM:
         self.stats.prompt_tokens += len(prompt_ids) * params.n
         return request_id
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request now and free its blocks (a client went away). Unknown ids are ignored."""
-        request = self.requests.pop(request_id, None)
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        """Stop a request now and free its blocks (a client went away); with `index`, only that one
+        of its completions (a stop string the caller found). Unknown ids are ignored."""
+        request = self.requests.get(request_id)
         if request is None:
             return
-        self.scheduler.abort(request_id)
-        for i, seq in enumerate(request.seqs):
-            self._forget(seq)
-            if request.output.outputs[i].finish_reason is None:
-                request.output.outputs[i].finish_reason = "abort"
+        outputs = request.output.outputs
+        for i in range(len(outputs)) if index is None else [index] if 0 <= index < len(outputs) else []:
+            if outputs[i].finish_reason is None:  # else its sequence is finished and gone already
+                self.scheduler.finish(request.seqs[i])
+                self._forget(request.seqs[i])
+                outputs[i].finish_reason = "abort"
+        if request.output.finished:
+            del self.requests[request_id]
 
     @property
     def max_num_seqs(self) -> int:
@@ -424,9 +429,8 @@ class LLM:
             ends = itertools.accumulate(item.num_tokens for item in out.scheduled)  # past each chunk's last token
             last = [(end - 1, pending.rows[item.seq.seq_id]) for end, item in zip(ends, out.scheduled)
                     if item.samples and item.seq.token_ids[-1] == PENDING_TOKEN and item.seq.seq_id in pending.rows]
-            if last:
-                rows = to_device([r for _, r in last], self.device)
-                fed = DeviceTokens([t for t, _ in last], pending.tokens.index_select(0, rows))
+            if last:  # gathered from the last step's tokens in the copy that takes the step's inputs
+                fed = DeviceTokens([t for t, _ in last], pending.tokens, [r for _, r in last])
         logits = self.runner.execute(out.scheduled, fed)  # [R, V]
         seqs = [item.seq for item in out.scheduled if item.samples]
         deltas = None
@@ -524,29 +528,26 @@ class LLM:
             self.stats.time_to_first_token.append(now - request.output.arrival_time)
         state.last_token_time = now
 
-        detok, params, hold, token_ids = state.detok, request.params, request.hold, completion.token_ids
-        taken = 0
-        cut = None  # characters of unsent that stay when a stop ends the completion
-        # check_stop can end the completion only at a stop / EOS token, a stop string or max_tokens
-        checks = bool(params.stop)
-        stop_ids, max_tokens = request.stop_token_ids, params.max_tokens
+        params, token_ids = request.params, completion.token_ids
+        # the token rules: a stop token (after min_tokens), max_tokens, the context's end
+        stop_ids, max_tokens, min_tokens = request.stop_token_ids, params.max_tokens, params.min_tokens
+        room = self.max_model_len - seq.num_prompt_tokens  # outputs that fill the context
+        taken, reason = 0, None
         for token in tokens:
             token_ids.append(token)
             taken += 1
-            piece = detok.add_one(token) if detok is not None else ""
-            window = state.tail + piece  # the text a stop string ending in the new characters lies in
-            if checks or token in stop_ids or len(token_ids) >= max_tokens:
-                finished, reason, cut_at = check_stop(token_ids, window, len(piece), params, self.eos_token_ids)
-                if cut_at is not None:
-                    cut = len(state.unsent) - len(state.tail) + cut_at
-            else:
-                finished = False
-            state.unsent += piece
-            state.tail = window[max(0, len(window) - hold):] if hold else ""
-            if not finished and seq.num_prompt_tokens + len(token_ids) >= self.max_model_len:
-                finished, reason = True, "length"
-            if finished:
+            if token in stop_ids and len(token_ids) >= min_tokens:
+                reason = "stop"
                 break
+            if len(token_ids) >= max_tokens or len(token_ids) >= room:
+                reason = "length"
+                break
+        delta_text = ""
+        if state.text is not None:  # the text rules (stop strings) may end it at an earlier token
+            delta_text, kept, reason = state.text.add(tokens[:taken], reason)
+            if kept < taken:
+                del token_ids[kept - taken:]
+                taken = kept
         self.stats.generation_tokens += taken
         if last_time is not None:
             # a step that emits several tokens (speculative decoding) spreads its gap over them
@@ -558,22 +559,13 @@ class LLM:
         if logprobs is not None:
             logprobs = logprobs[:taken]
             completion.logprobs.extend(logprobs)
-        unsent = state.unsent
-        if finished:
-            if cut is not None:
-                unsent = unsent[:cut]
-            elif detok is not None and reason == "length":  # nothing is coming to complete a character
-                unsent += detok.flush()
-            delta_text, state.unsent = unsent, ""
+        if reason is not None:
             completion.finish_reason = reason
             self.scheduler.finish(seq)
             self._forget(seq)
             if request.output.finished:
                 request.output.finish_time = now
                 self.requests.pop(request.output.request_id, None)
-        else:
-            visible = max(0, len(unsent) - hold)
-            delta_text, state.unsent = unsent[:visible], unsent[visible:]
         if delta_text:
             completion._pieces.append(delta_text)
         return Delta(request.output.request_id, index, delta_text, tokens[:taken], logprobs, completion.finish_reason)

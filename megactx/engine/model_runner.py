@@ -211,7 +211,12 @@ class DeviceTokens:
     draft tokens a speculative verify checks.)"""
 
     positions: list[int]
-    values: torch.Tensor  # [J] int64 on the device
+    values: torch.Tensor  # [J] int64 on the device; with `rows`, [S] of which token j is values[rows[j]]
+    rows: list[int] | None = None  # (host) which of values each position takes: gathered where they are put
+
+    def on_device(self, rows: torch.Tensor | None) -> torch.Tensor:
+        """The J tokens in order; rows: `self.rows` on the device, when given."""
+        return self.values if rows is None else self.values.index_select(0, rows)
 
 
 
@@ -220,10 +225,11 @@ def input_ids_on_device(ids: Sequence[int], device_tokens: DeviceTokens | None, 
     """A step's token ids [T] int64 on `device` with the device's tokens put in their places (token
     t in row t), and the host arrays `more`, in one copy -> [input_ids, *more on the device]."""
     at = device_tokens.positions if device_tokens is not None else []
-    input_ids, rows, *rest = to_device_packed([np.array(ids, dtype=np.int64), np.array(at, dtype=np.int64), *more],
-                                              device)
+    take = device_tokens.rows if device_tokens is not None and device_tokens.rows is not None else []
+    input_ids, rows, take, *rest = to_device_packed([np.array(ids, dtype=np.int64), np.array(at, dtype=np.int64),
+                                                     np.array(take, dtype=np.int64), *more], device)
     if device_tokens is not None:
-        input_ids.index_copy_(0, rows, device_tokens.values)
+        input_ids.index_copy_(0, rows, device_tokens.on_device(take if device_tokens.rows is not None else None))
     return [input_ids, *rest]
 
 
@@ -342,6 +348,7 @@ class StaticBatch:
             "rows64": ((3, n), torch.long),  # token, position, slot of each row
             "rows32": ((2, n), torch.int32),  # sequence, key count of each row
             "put": ((n,), torch.long),  # rows of the tokens a fill puts in place from the device
+            "take": ((n,), torch.long),  # which of DeviceTokens.values each of them is (DeviceTokens.rows)
             "sample_rows": ((max_seqs,), torch.long),  # ragged: rows that sample
             **(extra or {})}, device)
         self._rows64, self._rows32 = self.buffers.device["rows64"], self.buffers.device["rows32"]
@@ -433,10 +440,14 @@ class StaticBatch:
         their rows (token p of the step in rows[p]; None: in row p)."""
         if device_tokens is not None:
             at = device_tokens.positions if rows is None else [rows[p] for p in device_tokens.positions]
-            self.buffers.host()["put"][: len(at)] = at
+            host = self.buffers.host()
+            host["put"][: len(at)] = at
+            if device_tokens.rows is not None:
+                host["take"][: len(at)] = device_tokens.rows
         self.buffers.send()
         if device_tokens is not None:
-            self.input_ids.index_copy_(0, self.buffers.device["put"][: len(at)], device_tokens.values)
+            take = self.buffers.device["take"][: len(at)] if device_tokens.rows is not None else None
+            self.input_ids.index_copy_(0, self.buffers.device["put"][: len(at)], device_tokens.on_device(take))
 
     def _tables_in(self, tables: Sequence[Sequence[int]]) -> list[int]:
         """Bring the device block table up to date for a fill of these sequences' tables -> the

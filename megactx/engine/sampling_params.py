@@ -1,12 +1,10 @@
-"""Per-request sampling settings, validated at construction so bad input fails early, and the rule
-that decides when a request is finished (`check_stop`)."""
+"""Per-request sampling settings, validated at construction so bad input fails early. (When a
+request is finished: the token rules in `LLM._emit`, the text rules in `tokenizer.CompletionText`.)"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
 
 # OpenAI's API caps the number of top tokens whose logprobs come back with each token at 20.
 MAX_LOGPROBS = 20
@@ -109,56 +107,3 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
-
-
-class StopCheck(NamedTuple):
-    """What `check_stop` decided. `truncate_text_at`: the length the output text must be cut to
-    (it drops a stop string and everything after it, or the text of a stop / EOS token), or None
-    when the text stands as it is."""
-
-    finished: bool
-    reason: Literal["stop", "length"] | None
-    truncate_text_at: int | None
-
-
-def check_stop(output_token_ids: Sequence[int], text: str, num_new_chars: int, params: SamplingParams,
-               eos_token_ids: Collection[int]) -> StopCheck:
-    """Decide whether a request is finished after its latest token.
-
-    output_token_ids: every token generated so far, the latest last. text: the full decoded output
-    text so far; its last `num_new_chars` characters came with the latest token(s), so a stop
-    string that spans the previous chunk and the new one is found. eos_token_ids: the model's EOS
-    ids (several are allowed); they stop the request unless `params.ignore_eos`.
-
-    Rules (vLLM's): nothing stops before `params.min_tokens` tokens exist; a stop token (EOS or
-    `stop_token_ids`) ends the request with reason "stop" and its text is not part of the output;
-    a stop string ends it with "stop" and the text is cut before the earliest stop string;
-    otherwise reaching `max_tokens` ends it with "length". A stop on the last allowed token reports
-    "stop", which says more than "length".
-    """
-    if num_new_chars < 0 or num_new_chars > len(text):
-        raise ValueError(f"num_new_chars must be in [0, len(text)={len(text)}], got {num_new_chars}")
-    num_tokens = len(output_token_ids)
-    if num_tokens == 0 or num_tokens < params.min_tokens:
-        return StopCheck(False, None, None)
-    last = output_token_ids[-1]
-    if last in params.stop_token_ids or (not params.ignore_eos and last in eos_token_ids):
-        # The stop token's own text (e.g. "</s>" when special tokens are decoded) is dropped.
-        return StopCheck(True, "stop", len(text) - num_new_chars if num_new_chars else None)
-    cut = _find_stop_string(text, num_new_chars, params.stop) if params.stop else None
-    if cut is not None:
-        return StopCheck(True, "stop", cut)
-    if num_tokens >= params.max_tokens:
-        return StopCheck(True, "length", None)
-    return StopCheck(False, None, None)
-
-
-def _find_stop_string(text: str, num_new_chars: int, stops: Sequence[str]) -> int | None:
-    """Index of the earliest stop string that ends inside the new characters, or None. Matches that
-    end in older text were seen by an earlier call, so only new endings are searched for."""
-    if num_new_chars == 0:
-        return None
-    first_new = len(text) - num_new_chars
-    found = [text.find(s, max(0, first_new - len(s) + 1)) for s in stops]
-    found = [i for i in found if i >= 0]
-    return min(found) if found else None

@@ -3,11 +3,15 @@
 
 `IncrementalDetokenizer` turns a growing list of output ids into text deltas for streaming: it
 decodes a short window behind the last emitted text and holds back a trailing U+FFFD (a multi-byte
-character whose bytes are not all out yet)."""
+character whose bytes are not all out yet). `CompletionText` is one completion's text on top of it:
+stop strings applied, the characters that could start one held back. `LLM` runs it for its own
+requests; `megactx serve` runs it in the server process, so the engine's loop handles token ids
+only (as vLLM's engine core does)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -120,3 +124,78 @@ class IncrementalDetokenizer:
         after = self.tokenizer.decode(self.ids[self.prefix_offset :])
         self.prefix_offset = self.read_offset = len(self.ids)
         return after[len(before) :]
+
+
+class CompletionText:
+    """The text of one completion as its tokens come: decoded incrementally, cut before the first
+    stop string, and the characters that could still start a stop string held back until the next
+    tokens show whether they do. Its text lives in two bounded parts: `unsent` (decoded, not given
+    out yet: at most the held-back characters and the last call's) and `tail`, its last `hold`
+    characters, in which a stop string that ends in the next token's text must start.
+
+    The token rules (stop and EOS ids, max_tokens, the context's end) are the engine's; this adds
+    the text rules on top (vLLM's): a stop string ends the completion with "stop" at the token whose
+    text completes it, none counts before `min_tokens` tokens exist, and the text of a stop token
+    is not part of the output."""
+
+    __slots__ = ("detok", "stop", "min_tokens", "hold", "unsent", "tail", "num_tokens", "finished")
+
+    def __init__(self, detok: IncrementalDetokenizer, stop: Sequence[str] = (), min_tokens: int = 0):
+        """detok: the completion's detokenizer (anything with add_one(token) -> str and flush() -> str)."""
+        self.detok = detok
+        self.stop = list(stop)
+        self.min_tokens = min_tokens
+        self.hold = max((len(s) - 1 for s in self.stop), default=0)  # could start a stop string: held back
+        self.unsent = ""
+        self.tail = ""
+        self.num_tokens = 0  # tokens added so far
+        self.finished = False
+
+    def add(self, tokens: Sequence[int], finish_reason: str | None = None) -> tuple[str, int, str | None]:
+        """The completion's next tokens, in order, and the engine's finish reason when the last of
+        them ended it ("stop": a stop token, whose text is dropped; "length"; "abort") -> (the text
+        that is now final, how many of the tokens stand, the finish reason: the engine's, or "stop"
+        where a stop string ended the completion at an earlier token, then the tokens after that
+        one do not stand). Once finished, whatever comes is dropped: ("", 0, None)."""
+        if self.finished:
+            return "", 0, None
+        detok, stop, hold = self.detok, self.stop, self.hold
+        reason = finish_reason
+        taken, cut = 0, None  # cut: characters of unsent that stay when a stop string ends the text
+        last = len(tokens) - 1
+        for i, token in enumerate(tokens):
+            taken += 1
+            self.num_tokens += 1
+            if i == last and finish_reason == "stop":
+                break  # a stop token: its text is not part of the output
+            piece = detok.add_one(token)
+            window = self.tail + piece  # the text a stop string ending in the new characters lies in
+            if stop and piece and self.num_tokens >= self.min_tokens:
+                at = find_stop_string(window, len(piece), stop)
+                if at is not None:
+                    cut = len(self.unsent) - len(self.tail) + at
+                    self.unsent += piece
+                    reason = "stop"
+                    break
+            self.unsent += piece
+            self.tail = window[max(0, len(window) - hold):] if hold else ""
+        if reason is None:
+            visible = max(0, len(self.unsent) - hold)
+            text, self.unsent = self.unsent[:visible], self.unsent[visible:]
+            return text, taken, None
+        self.finished = True
+        text, self.unsent, self.tail = self.unsent, "", ""
+        if cut is not None:
+            text = text[:cut]
+        elif reason == "length":  # nothing is coming to complete a character
+            text += detok.flush()
+        return text, taken, reason
+
+
+def find_stop_string(text: str, num_new_chars: int, stops: Sequence[str]) -> int | None:
+    """Index in `text` of the earliest stop string that ends inside its last num_new_chars
+    characters, or None. Matches that end in older text were seen by an earlier call, so only new
+    endings are searched for."""
+    first_new = len(text) - num_new_chars
+    found = [i for s in stops if (i := text.find(s, max(0, first_new - len(s) + 1))) >= 0]
+    return min(found) if found else None

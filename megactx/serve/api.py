@@ -54,7 +54,6 @@ from megactx.serve.async_engine import (
     EngineDead,
     EngineOverloaded,
     RequestStream,
-    merge_deltas,
 )
 from megactx.serve.metrics import CONTENT_TYPE, ServerMetrics
 from megactx.serve.protocol import (
@@ -423,12 +422,12 @@ class OpenAIServing:
 
 async def _stream_events(stream: RequestStream, encoder: ChunkEncoder,
                          choice_of: Callable[[int, Delta], tuple | None]) -> AsyncIterator[str]:
-    """The SSE events of a stream: a hand-over's deltas merged into one a completion (`merge_deltas`),
+    """The SSE events of a stream: a hand-over's deltas (one a completion, `RequestStream.batches`),
     each made a chunk's choice by `choice_of(prompt_index, delta)` -> (index, text, logprobs,
     finish_reason), the arguments of `ChunkEncoder.event` (None: nothing to send yet); all of a
     hand-over's events in one string, so one write."""
     async for batch in stream.batches():
-        choices = [choice_of(prompt_index, delta) for prompt_index, delta in merge_deltas(batch)]
+        choices = [choice_of(prompt_index, delta) for prompt_index, delta in batch]
         events = "".join(encoder.event(*c) for c in choices if c is not None)
         if events:
             yield events

@@ -21,6 +21,13 @@ streams, a slow client) finds several deltas waiting: `stream.batches()` hands t
 and `merge_deltas` makes one delta of each completion's, so a server that cannot send an event per
 token sends fewer, longer events instead of falling further behind the engine.
 
+Text. The engine handles token ids only (`LLM.add_request(..., detokenize=False)`); the text of
+each completion is made here, on the loop, when its deltas are handed over (`CompletionText`: the
+tokens of a whole hand-over decoded together, stop strings applied, the characters that could start
+one held back). A stop string found here ends the completion at once (its later tokens are dropped)
+and tells the engine to stop it (`_Abort` with its index), as vLLM's front end does. So with an
+engine process the engine's loop, the server's bottleneck, never decodes text.
+
 Event budget. The loop and the engine thread share the GIL, and a step's host work is much of a
 step on a fast device, so every microsecond the loop spends a token is taken from the engine.
 `max_handovers_per_s` caps the rate at which deltas are handed to consumers (each hand-over is an
@@ -51,6 +58,7 @@ from megactx.engine.llm import LLM
 from megactx.engine.outputs import Delta
 from megactx.engine.sampling_params import SamplingParams
 from megactx.engine.spec_decode import SpecDecodeStats
+from megactx.engine.tokenizer import CompletionText, IncrementalDetokenizer
 from megactx.serve.engine_process import EngineProcess
 from megactx.serve.metrics import ServerMetrics
 
@@ -84,6 +92,7 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
+    index: int | None = None  # one completion of the request (a stop string); None: all of them
 
 
 class _Stop:
@@ -122,8 +131,10 @@ class RequestStream:
     fails meanwhile (after the deltas that came before the failure). `batches()` yields the same
     deltas a list at a time, paced by the engine's event budget (see the module docstring)."""
 
-    def __init__(self, engine: AsyncEngine, request_ids: list[str], num_prompts: int):
+    def __init__(self, engine: AsyncEngine, request_ids: list[str], num_prompts: int,
+                 texts: list[list[CompletionText | None]] | None = None):
         self.request_ids = request_ids
+        self._texts = texts or [[None]]  # [prompt][completion]: its text (None: token ids only)
         self._engine = engine
         self._loop = asyncio.get_running_loop()
         self._pending: list[tuple[int, Delta]] = []  # arrived, not yet handed to the consumer
@@ -154,9 +165,10 @@ class RequestStream:
                 yield item
 
     async def batches(self) -> AsyncIterator[list[tuple[int, Delta]]]:
-        """The deltas that arrived since the last yield, in arrival order: [(prompt_index, Delta)],
-        never empty; at most one delta a completion a step, several steps' worth when the consumer
-        was slower than the engine or its hand-over was not due yet (see `merge_deltas`)."""
+        """The deltas that arrived since the last yield: [(prompt_index, Delta)], never empty, one
+        a completion (`merge_deltas`: several steps' worth when the consumer was slower than the
+        engine or its hand-over was not due yet), in the order of each completion's first, with
+        their text (`_with_text`)."""
         while True:
             while not self._due():
                 if self._pending:
@@ -169,11 +181,35 @@ class RequestStream:
             if self._pending:
                 batch, self._pending, self._urgent = self._pending, [], False
                 self._next_handover = self._loop.time() + self._engine.handover_interval_s
-                yield batch
+                batch = self._with_text(merge_deltas(batch))
+                if batch:
+                    yield batch
             else:  # done
                 if self._error is not None:
                     raise self._error
                 return
+
+    def _with_text(self, batch: list[tuple[int, Delta]]) -> list[tuple[int, Delta]]:
+        """Each completion's delta with its text (CompletionText); a stop string cuts its tokens and
+        logprobs and finishes it (the engine is told), and what comes after its end is dropped."""
+        out = []
+        for prompt_index, delta in batch:
+            text = self._texts[prompt_index][delta.index]
+            if text is None:  # no tokenizer: token ids only
+                out.append((prompt_index, delta))
+                continue
+            piece, kept, reason = text.add(delta.token_ids, delta.finish_reason)
+            if not kept:
+                continue  # it ended before these tokens
+            if reason is not None and delta.finish_reason is None:  # a stop string
+                self._engine._stop_early(self, prompt_index, delta.index)
+            tokens, logprobs = delta.token_ids, delta.logprobs
+            if kept < len(tokens):
+                tokens, logprobs = tokens[:kept], logprobs and logprobs[:kept]
+            if reason is not None and self._engine.metrics:
+                self._engine.metrics.completion_finished(reason)
+            out.append((prompt_index, Delta(delta.request_id, delta.index, piece, tokens, logprobs, reason)))
+        return out
 
     def _due(self) -> bool:
         """Whether the consumer should run now: the end, or deltas whose hand-over is due."""
@@ -344,9 +380,14 @@ class AsyncEngine:
         if self._num_seqs + num_seqs > self.capacity:
             raise EngineOverloaded(f"the server is at its limit of {self.capacity} sequences in flight "
                                    f"({self._num_seqs} now); retry shortly")
+        tokenizer = self.llm.tokenizer
+        if tokenizer is None and any(p.stop for p in params):
+            raise ValueError("stop strings need a tokenizer, and this model has none; use stop_token_ids")
         arrival = time.perf_counter() if arrival is None else arrival
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-        stream = RequestStream(self, ids, len(prompts))
+        texts = [[CompletionText(IncrementalDetokenizer(tokenizer, p), sp.stop, sp.min_tokens) if tokenizer else None
+                  for _ in range(sp.n)] for p, sp in zip(prompts, params)]
+        stream = RequestStream(self, ids, len(prompts), texts)
         self._streams.add(stream)
         self._num_seqs += num_seqs
         for i, (rid, ids_i, params_i) in enumerate(zip(ids, prompts, params)):
@@ -416,20 +457,13 @@ class AsyncEngine:
         gaps: dict[float, int] = {}  # previous token time -> completions whose last token came then
         for delta in deltas:
             tracked = self._requests.get(delta.request_id)
-            if tracked is None:  # aborted on this side; the engine has not heard yet
-                continue
+            if tracked is None or tracked.finish_reasons[delta.index] is not None:
+                continue  # aborted or stopped on this side; the engine has not heard yet
             num_tokens += len(delta.token_ids)
             self._record_latencies(tracked, delta, now, gaps)
             tracked.stream._push(tracked.prompt_index, delta, loop_now)
             if delta.finish_reason is not None:
-                tracked.finish_reasons[delta.index] = delta.finish_reason
-                if self.metrics:
-                    self.metrics.completion_finished(delta.finish_reason)
-                if tracked.finished:
-                    self._retire(delta.request_id, tracked)
-                    tracked.stream._prompt_finished()
-                    if tracked.stream.done:
-                        self._streams.discard(tracked.stream)
+                self._finish(delta.request_id, tracked, delta.index, delta.finish_reason)
         if self.metrics:
             # once a step, not once a delta: a locked counter or histogram costs the loop ~1 us a call
             if num_tokens:
@@ -437,6 +471,24 @@ class AsyncEngine:
             for previous, count in gaps.items():
                 self.metrics.itl.observe(now - previous, count)
         self._hand_over_due(loop_now)
+
+    def _finish(self, request_id: str, tracked: _Tracked, index: int, reason: str) -> None:
+        """Completion `index` of the request ended (the finish-reason metric is counted when its
+        last delta is handed over: a stop string can still change the reason)."""
+        tracked.finish_reasons[index] = reason
+        if tracked.finished:
+            self._retire(request_id, tracked)
+            tracked.stream._prompt_finished()
+            if tracked.stream.done:
+                self._streams.discard(tracked.stream)
+
+    def _stop_early(self, stream: RequestStream, prompt_index: int, index: int) -> None:
+        """A stop string ended a completion the engine is still running: stop it there."""
+        request_id = stream.request_ids[prompt_index]
+        tracked = self._requests.get(request_id)
+        if tracked is not None and tracked.finish_reasons[index] is None:
+            self._commands.put(_Abort(request_id, index))
+            self._finish(request_id, tracked, index, "stop")
 
     # ---------------------------------------------------------------------------- pacing (the event budget)
     def _pace(self, stream: RequestStream) -> None:
@@ -590,10 +642,11 @@ def run_engine(llm: LLM, receive: Callable[[bool], list], emit: Callable[[list, 
                     llm.abort(request_id)
                 return
             if isinstance(command, _Abort):
-                llm.abort(command.request_id)
+                llm.abort(command.request_id, command.index)
                 continue
-            try:
-                llm.add_request(command.prompt_token_ids, command.params, request_id=command.request_id)
+            try:  # token ids only: the server makes the text (AsyncEngine, CompletionText)
+                llm.add_request(command.prompt_token_ids, command.params, request_id=command.request_id,
+                                detokenize=False)
                 admissions.append((command.request_id, None))
             except ValueError as e:  # the engine's reason: prompt too long, max_tokens too large, ...
                 admissions.append((command.request_id, e))
