@@ -419,10 +419,45 @@ def _free(device: str) -> None:
 
 
 # ------------------------------------------------------------------------------ online
+# what the online run reads from the server's /metrics: its own TTFT (from the request handler) and
+# its event loop's lag
+SERVER_HISTOGRAMS = ("megactx_time_to_first_token_seconds", "megactx_event_loop_lag_seconds")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+@dataclass
+class Histogram:
+    """A Prometheus histogram as scraped: cumulative (upper bound, count) buckets, sum, count."""
+
+    buckets: list[tuple[float, float]]
+    sum: float
+    count: float
+
+    def __sub__(self, before: Histogram) -> Histogram:
+        """What was observed since `before` (a scrape of the same histogram)."""
+        old = dict(before.buckets)
+        return Histogram([(le, n - old.get(le, 0.0)) for le, n in self.buckets], self.sum - before.sum,
+                         self.count - before.count)
+
+    def __add__(self, other: Histogram) -> Histogram:
+        more = dict(other.buckets)
+        return Histogram([(le, n + more.get(le, 0.0)) for le, n in self.buckets], self.sum + other.sum,
+                         self.count + other.count)
+
+    @property
+    def mean(self) -> float | None:
+        return self.sum / self.count if self.count else None
+
+    def quantile(self, q: float) -> float | None:
+        """The upper bound of the bucket that holds quantile q (an upper estimate)."""
+        if not self.count:
+            return None
+        return next((le for le, n in self.buckets if n >= q * self.count), math.inf)
 
 
 class ServeProcess:
@@ -501,19 +536,22 @@ class ServeProcess:
         steps = [r for r in steplog.read(self.step_log) if start <= r["t"] <= end]
         return steplog.step_stats(steps) if steps else None
 
-    def ttft_sum_count(self) -> tuple[float, float] | None:
-        """(sum, count) of the server's time-to-first-token histogram (/metrics; measured from its
-        request handler), None where it has none."""
+    def histograms(self, *names: str) -> dict[str, Histogram]:
+        """The server's histograms of these names as /metrics has them now (those it has)."""
         from prometheus_client.parser import text_string_to_metric_families
 
         status, body = self.get("/metrics")
         if status != 200:
-            return None
+            return {}
+        out = {}
         for family in text_string_to_metric_families(body.decode()):
-            if family.name == "megactx_time_to_first_token_seconds":
+            if family.name in names:
                 values = {sample.name: sample.value for sample in family.samples}
-                return values.get(family.name + "_sum", 0.0), values.get(family.name + "_count", 0.0)
-        return None
+                buckets = [(float(sample.labels["le"]), sample.value) for sample in family.samples
+                           if sample.name == family.name + "_bucket"]
+                out[family.name] = Histogram(buckets, values.get(family.name + "_sum", 0.0),
+                                             values.get(family.name + "_count", 0.0))
+        return out
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -712,22 +750,29 @@ def run_online(path: Path, s: Settings, vocab_size: int, log: Callable[[str], ob
         client_round(server.host, server.port, completion_bodies(model, warm, s.warmup_len), s.concurrency,
                      s.request_timeout_s)
         prompts = random_prompts(s.requests, s.prompt_len, vocab_size, _prompt_seed(s, 0, 1))
-        ttft_before = server.ttft_sum_count()
         results, wall, start = [], 0.0, time.perf_counter()
+        observed: dict[str, Histogram] = {}  # the server's histograms, over the rounds only (not between)
         for part in split_rounds(prompts, s.rounds):
             between()
+            before = server.histograms(*SERVER_HISTOGRAMS)
             got, took = client_round(server.host, server.port, completion_bodies(model, part, s.output_len),
                                      s.concurrency, s.request_timeout_s)
+            for name, after in server.histograms(*SERVER_HISTOGRAMS).items():
+                if name in before:
+                    new = after - before[name]
+                    observed[name] = observed[name] + new if name in observed else new
             results += got
             wall += took
         steps = server.steps(start, time.perf_counter())  # the server makes no steps between rounds
-        ttft_after = server.ttft_sum_count()
         between()
     figures = online_figures(results, wall, s)
     figures.detail["engine_steps"] = steps
-    if ttft_before and ttft_after and ttft_after[1] > ttft_before[1]:
+    ttft, lag = observed.get(SERVER_HISTOGRAMS[0]), observed.get(SERVER_HISTOGRAMS[1])
+    if ttft and ttft.count:
         # the server's own TTFT (from its request handler): the rest of the clients' is before the handler
-        figures.detail["server_ttft_mean_s"] = (ttft_after[0] - ttft_before[0]) / (ttft_after[1] - ttft_before[1])
+        figures.detail["server_ttft_mean_s"] = ttft.mean
+    if lag and lag.count:  # how late its event loop ran a 10 ms timer: what arrivals and events waited
+        figures.detail["loop_lag_s"] = {"mean": lag.mean, "p90": lag.quantile(0.9), "p99": lag.quantile(0.99)}
     ttfts = [r.ttft_s for r in results if r.ttft_s is not None]
     figures.detail["client_ttft_mean_s"] = statistics.fmean(ttfts) if ttfts else None
     return figures
@@ -1004,7 +1049,10 @@ def render_markdown(results: dict[str, Any], targets: list[dict[str, Any]]) -> s
                    "next request added as its last ends, no HTTP): its overhead is the engine's own, from requests "
                    "arriving as others end; the rest is the server's. TTFT mean, client / server: the clients' "
                    "mean against the server's own (its /metrics histogram, from its request handler): the "
-                   "difference is spent before the handler (connection, parsing, the event loop's queue).\n")
+                   "difference is spent before the handler (connection, parsing, the event loop's queue). Event "
+                   "loop lag: how late the server's loop ran a timer due every 10 ms during the rounds "
+                   "(its /metrics histogram; p90 and p99 as bucket bounds, resolution ~1 ms): what each "
+                   "arrival and each streamed event waited for the loop.\n")
         rows = []
         for label, f in runs:
             offline = _reference(results, f)
@@ -1012,14 +1060,16 @@ def render_markdown(results: dict[str, Any], targets: list[dict[str, Any]]) -> s
             around = f.detail.get("offline_tokens_per_s_around")
             split = [f.detail.get("client_ttft_mean_s"), f.detail.get("server_ttft_mean_s")]
             split = " / ".join("–" if t is None else fmt_time(t) for t in split) if f.engine == SERVE else "–"
+            lag = f.detail.get("loop_lag_s")
+            lag = (f"{fmt_time(lag['mean'])} / ≤ {fmt_time(lag['p90'])} / ≤ {fmt_time(lag['p99'])}" if lag else "–")
             rows.append([label, f.batch, f.requests, fmt_num(f.requests_per_s), fmt_num(f.tokens_per_s),
                          (fmt_num(offline) + (f" ({fmt_num(min(around))} – {fmt_num(max(around))})" if around else "")
                           if offline else "–"), overhead, *_lat(f.latency_s),
-                         *_lat(f.ttft_s), split])
+                         *_lat(f.ttft_s), split, lag])
         out.append(md_table(
             ["server", "clients", "requests", "requests/s", "output tokens/s",
-             "offline tokens/s at that batch (min – max)",
-             "overhead", "latency p50", "latency p99", "TTFT p50", "TTFT p99", "TTFT mean, client / server"], rows))
+             "offline tokens/s at that batch (min – max)", "overhead", "latency p50", "latency p99", "TTFT p50",
+             "TTFT p99", "TTFT mean, client / server", "event loop lag mean / p90 / p99"], rows))
         if any(f.detail.get("tokens_counted_from") == "max_tokens" for _, f in runs if f.engine == SERVE):
             out.append("\n(The server sent no usage chunk: every request is counted as max_tokens long.)\n")
         if all(f.engine == CLOSED for _, f in runs):

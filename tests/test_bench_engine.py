@@ -6,6 +6,7 @@ from made-up figures."""
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -223,6 +224,20 @@ def test_online_run_through_megactx_serve(ckpt, extra_args):
     assert steps["steps"] >= 2 * 4 and steps["decode_steps"] >= 1 and steps["busy_s"] <= f.wall_s
     # the server's own TTFT (its /metrics, the timed round's requests) is within the clients'
     assert 0 < f.detail["server_ttft_mean_s"] <= f.detail["client_ttft_mean_s"] <= f.ttft_s["p99"]
+    lag = f.detail["loop_lag_s"]  # its event loop's lag during the rounds, from /metrics
+    assert 0 <= lag["mean"] <= lag["p99"] and lag["p90"] <= lag["p99"]
+
+
+def test_a_scraped_histogram_gives_what_was_observed_between_scrapes_and_its_quantiles():
+    from benchmarks.engine import Histogram
+
+    before = Histogram([(0.001, 2.0), (0.01, 3.0), (math.inf, 3.0)], 0.004, 3.0)
+    after = Histogram([(0.001, 10.0), (0.01, 19.0), (math.inf, 20.0)], 0.104, 20.0)
+    seen = after - before  # 8 under 1 ms, 8 in (1, 10] ms, 1 above
+    assert seen.buckets == [(0.001, 8.0), (0.01, 16.0), (math.inf, 17.0)] and seen.count == 17
+    assert seen.mean == pytest.approx(0.1 / 17)
+    assert (seen.quantile(0.4), seen.quantile(0.9), seen.quantile(0.99)) == (0.001, 0.01, math.inf)
+    assert (seen + seen).count == 34 and Histogram([], 0.0, 0.0).quantile(0.5) is None
 
 
 def test_the_closed_loop_keeps_the_clients_in_flight_and_gets_its_row(ckpt, tmp_path):

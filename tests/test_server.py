@@ -155,6 +155,8 @@ def test_models_health_and_metrics_routes(base_url, client):
                  "megactx_prompt_tokens_total", "megactx_generation_tokens_total",
                  "megactx_time_to_first_token_seconds_count", "megactx_inter_token_latency_seconds_count"):
         assert name in m
+    # the event loop's lag is probed every 10 ms from the start: a running server has observations
+    assert m["megactx_event_loop_lag_seconds_count"] >= 1 and m["megactx_event_loop_lag_seconds_sum"] >= 0
 
 
 def test_completion_with_logprobs_equals_the_offline_engine(base_url, client, offline):

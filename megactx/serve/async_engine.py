@@ -71,6 +71,7 @@ log = logging.getLogger("megactx.serve")
 # streams get an event every 32 ms (a 30 Hz stream of ~7 tokens on 4.6 ms steps), 8 every 4 ms.
 DEFAULT_MAX_HANDOVERS_PER_S = 2000.0
 MIN_PACING_TIMER_S = 0.005  # the fallback hand-over timer's least period
+LOOP_PROBE_S = 0.01  # with metrics: how often the loop's lag is probed (megactx_event_loop_lag_seconds)
 
 
 class EngineOverloaded(Exception):
@@ -315,6 +316,7 @@ class AsyncEngine:
         self._streams: set[RequestStream] = set()
         self._num_seqs = 0  # sequences in flight: what the capacity bounds
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_probe: asyncio.TimerHandle | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
 
@@ -325,6 +327,8 @@ class AsyncEngine:
         if self._thread is not None:
             raise RuntimeError("AsyncEngine.start() was already called")
         self._loop = asyncio.get_running_loop()
+        if self.metrics:
+            self._probe_loop(self._loop.time())
         if isinstance(self.llm, EngineProcess):
             threading.Thread(target=self._send_commands, name="megactx-engine-commands", daemon=True).start()
             self._thread = threading.Thread(target=self._receive_outputs, name="megactx-engine-outputs", daemon=True)
@@ -337,9 +341,10 @@ class AsyncEngine:
         requests before it calls this, so normally nothing is left.)"""
         for stream in list(self._streams):
             stream.abort()
-        if self._pacing_timer is not None:
-            self._pacing_timer.cancel()
-            self._pacing_timer = None
+        for timer in (self._pacing_timer, self._loop_probe):
+            if timer is not None:
+                timer.cancel()
+        self._pacing_timer = self._loop_probe = None
         if self._thread is not None and self._thread.is_alive():
             self._stopping = True
             self._commands.put(_Stop())
@@ -518,6 +523,13 @@ class AsyncEngine:
         if self._paced:
             self._pacing_timer = self._loop.call_later(max(self.handover_interval_s, MIN_PACING_TIMER_S),
                                                        self._on_pacing_timer)
+
+    def _probe_loop(self, due: float) -> None:
+        """A timer due at loop time `due`: how late it runs is the loop's lag (a busy loop makes every
+        request's arrival and every event wait that long); then the next one."""
+        now = self._loop.time()
+        self.metrics.loop_lag.observe(max(0.0, now - due))
+        self._loop_probe = self._loop.call_at(now + LOOP_PROBE_S, self._probe_loop, now + LOOP_PROBE_S)
 
     def _record_latencies(self, tracked: _Tracked, delta: Delta, now: float, gaps: dict[float, int]) -> None:
         """Count a delta's tokens, stamp its completion's last token time; its gap since the

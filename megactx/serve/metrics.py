@@ -6,7 +6,8 @@ sets the engine gauges after each step, the event loop records request events.
 
 Gauges: running / waiting sequences, KV blocks used / free, prefix-cache hit rate.
 Counters: prompt and generation tokens, finished completions by finish reason, rejected requests by
-reason. Histograms: time to first token, inter-token latency, end-to-end request latency. The
+reason. Histograms: time to first token, inter-token latency, end-to-end request latency, and the
+event loop's lag (how late it runs a timer: a busy loop delays every request and event). The
 inter-token latency gets a whole engine step's gaps in a few calls (`CountedHistogram`): a step at
 batch 64 would otherwise cost the event loop 64 locked observations.
 Speculative decoding (an engine that drafts, see `watch_spec_decode`): counters of drafts, draft
@@ -36,6 +37,10 @@ ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.0
                  0.5, 0.75, 1.0, 2.5)
 E2E_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0, 1280.0,
                  2560.0)
+
+# How late the event loop runs a timer. Its resolution is ~1 ms (epoll waits in whole milliseconds),
+# so an idle loop shows up to 1 ms.
+LOOP_LAG_BUCKETS_S = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 1.0)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -75,6 +80,9 @@ class ServerMetrics:
         self.registry.register(self.itl)
         self.e2e = histogram("megactx_e2e_request_latency_seconds",
                              "From a request's arrival to its last token (or its abort)", E2E_BUCKETS_S)
+        self.loop_lag = histogram("megactx_event_loop_lag_seconds",
+                                  "How late the server's event loop ran a timer due every 10 ms: what a request's "
+                                  "arrival and each streamed event wait for (resolution ~1 ms)", LOOP_LAG_BUCKETS_S)
         self._finished = Counter("megactx_completions_finished",
                                  "Finished completions (a request has n) by finish reason",
                                  labels + ["finish_reason"], registry=self.registry)
