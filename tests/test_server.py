@@ -418,8 +418,11 @@ def test_the_server_makes_the_text_and_a_stop_string_it_finds_stops_that_complet
     words = [tokenizer.encode(w) for w in ("alpha", " beta", " STOP", " gamma", " delta")]
 
     async def scenario():
+        from megactx.serve.metrics import ServerMetrics
+
         llm = _IdleLLM(tokenizer)
-        engine = AsyncEngine(llm, max_queued_requests=0, max_handovers_per_s=0)
+        metrics = ServerMetrics("m")
+        engine = AsyncEngine(llm, max_queued_requests=0, max_handovers_per_s=0, metrics=metrics)
         engine.start()
         stream = engine.submit([[1, 2, 3]], [SamplingParams(max_tokens=40, n=2, stop=["STOP"], logprobs=0)], "r")
         await stream.admitted()
@@ -448,6 +451,10 @@ def test_the_server_makes_the_text_and_a_stop_string_it_finds_stops_that_complet
                 break
             await asyncio.sleep(0.01)
         assert llm.aborted == [("r", 0)]
+        finished = {r: metrics.registry.get_sample_value("megactx_completions_finished_total",
+                                                         {"model_name": "m", "finish_reason": r})
+                    for r in ("stop", "length")}
+        assert finished == {"stop": 1.0, "length": 1.0}  # each completion's final reason, once
         await engine.shutdown()
 
     asyncio.run(scenario())

@@ -194,22 +194,23 @@ class RequestStream:
         """Each completion's delta with its text (CompletionText); a stop string cuts its tokens and
         logprobs and finishes it (the engine is told), and what comes after its end is dropped."""
         out = []
+        metrics = self._engine.metrics
         for prompt_index, delta in batch:
             text = self._texts[prompt_index][delta.index]
-            if text is None:  # no tokenizer: token ids only
-                out.append((prompt_index, delta))
-                continue
-            piece, kept, reason = text.add(delta.token_ids, delta.finish_reason)
-            if not kept:
-                continue  # it ended before these tokens
-            if reason is not None and delta.finish_reason is None:  # a stop string
-                self._engine._stop_early(self, prompt_index, delta.index)
-            tokens, logprobs = delta.token_ids, delta.logprobs
-            if kept < len(tokens):
-                tokens, logprobs = tokens[:kept], logprobs and logprobs[:kept]
-            if reason is not None and self._engine.metrics:
-                self._engine.metrics.completion_finished(reason)
-            out.append((prompt_index, Delta(delta.request_id, delta.index, piece, tokens, logprobs, reason)))
+            if text is not None:
+                piece, kept, reason = text.add(delta.token_ids, delta.finish_reason)
+                if not kept:
+                    continue  # it ended before these tokens
+                if reason is not None and delta.finish_reason is None:  # a stop string
+                    self._engine._stop_early(self, prompt_index, delta.index)
+                tokens, logprobs = delta.token_ids, delta.logprobs
+                if kept < len(tokens):
+                    tokens, logprobs = tokens[:kept], logprobs and logprobs[:kept]
+                delta = Delta(delta.request_id, delta.index, piece, tokens, logprobs, reason)
+            # (no tokenizer: token ids only, as they came)
+            if delta.finish_reason is not None and metrics:  # its final reason: counted once, here
+                metrics.completion_finished(delta.finish_reason)
+            out.append((prompt_index, delta))
         return out
 
     def _due(self) -> bool:
