@@ -26,7 +26,7 @@ TEXT = "def f(x):\n    return x  # é 中文 ✓ naïve\n    print('𝔘nicode')
 def _stream(detok: IncrementalDetokenizer, ids: list[int], rng: random.Random, flush: bool) -> str:
     out, i = [], 0
     while i < len(ids):
-        n = rng.randint(1, 4)
+        n = rng.randint(1, 12)  # one by one (DecodeStream) below IncrementalDetokenizer.CHUNK, the window above
         out.append(detok.add(ids[i : i + n]))
         assert not out[-1].endswith("\ufffd"), "an incomplete character was emitted"
         i += n
@@ -90,13 +90,17 @@ def test_a_refusing_stream_hands_over_to_the_window(tokenizer):
 
 
 class _Pieces:
-    """A detokenizer whose token t decodes to PIECES[t] ("" for an unknown id)."""
+    """A detokenizer whose token t decodes to PIECES[t] ("" for an unknown id); its text never
+    depends on its neighbours, so one by one and together are the same."""
 
     def __init__(self):
         self.flushed = False
 
     def add_one(self, token: int) -> str:
         return PIECES.get(token, "")
+
+    def add(self, tokens: list[int]) -> str:
+        return "".join(map(self.add_one, tokens))
 
     def flush(self) -> str:
         self.flushed = True
@@ -158,6 +162,21 @@ def test_a_long_stop_string_is_found_while_the_text_is_shorter_than_what_is_held
     text = CompletionText(_Pieces(), stop=["abc#!###x"])  # 8 characters held back
     steps = [([4], None), ([5], None), ([7], None), ([8], None), ([9], None)]
     assert _run(text, steps) == ("", [4, 5, 7, 8, 9], "stop")
+
+
+def test_without_stop_strings_a_chunk_is_decoded_as_its_tokens_one_by_one(tokenizer):
+    """A server hands over several steps' tokens at once: decoded together (the window) they give
+    the text they give one by one (DecodeStream), multi-byte characters split across chunks included."""
+    ids = tokenizer.encode(TEXT)
+    prompt, output = ids[:5], ids[5:]
+    context = prompt[-IncrementalDetokenizer.CONTEXT:]
+    whole = tokenizer.decode(context + output)[len(tokenizer.decode(context)):]
+    for chunk in (1, 3, 4, 9, len(output)):
+        text = CompletionText(IncrementalDetokenizer(tokenizer, prompt))
+        pieces = [text.add(output[i : i + chunk], "length" if i + chunk >= len(output) else None)
+                  for i in range(0, len(output), chunk)]
+        assert "".join(p for p, _, _ in pieces) == whole, chunk
+        assert sum(kept for _, kept, _ in pieces) == len(output) and pieces[-1][2] == "length"
 
 
 def test_without_stop_strings_nothing_is_held_back():

@@ -80,6 +80,7 @@ class IncrementalDetokenizer:
     normalisations do), this detokenizer decodes the same window itself from then on."""
 
     CONTEXT = 6  # prompt tokens decoded before the first new ones
+    CHUNK = 4  # add() decodes this many ids or more together (the window); fewer go one by one
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
         self.tokenizer = tokenizer
@@ -89,8 +90,15 @@ class IncrementalDetokenizer:
         self._stream: DecodeStream | None = DecodeStream(self.ids, skip_special_tokens=True)
 
     def add(self, token_ids: list[int]) -> str:
-        """Append generated ids; return the new text (possibly empty while a character is incomplete)."""
-        return "".join(map(self.add_one, token_ids))
+        """Append generated ids; return the new text (possibly empty while a character is incomplete).
+        Several at once (a server's hand-over) are decoded together, two decodes of the window
+        whatever their number, instead of a DecodeStream call each (~5x less a token at 30); the
+        window then goes on for this detokenizer's later ids."""
+        if len(token_ids) < self.CHUNK:
+            return "".join(map(self.add_one, token_ids))
+        self.ids.extend(token_ids)
+        self._stream = None
+        return self._window()
 
     def add_one(self, token: int) -> str:
         """Append one generated id; return the new text (the engine calls this for every sequence
@@ -159,6 +167,8 @@ class CompletionText:
         one do not stand). Once finished, whatever comes is dropped: ("", 0, None)."""
         if self.finished:
             return "", 0, None
+        if not self.stop:  # nothing to look for: the tokens' text in one piece, nothing held back
+            return self._add_plain(tokens, finish_reason)
         detok, stop, hold = self.detok, self.stop, self.hold
         reason = finish_reason
         taken, cut = 0, None  # cut: characters of unsent that stay when a stop string ends the text
@@ -190,6 +200,17 @@ class CompletionText:
         elif reason == "length":  # nothing is coming to complete a character
             text += detok.flush()
         return text, taken, reason
+
+
+    def _add_plain(self, tokens: Sequence[int], finish_reason: str | None) -> tuple[str, int, str | None]:
+        """add() without stop strings: every token stands; a stop token's text is dropped."""
+        self.num_tokens += len(tokens)
+        text = self.detok.add(tokens[:-1] if finish_reason == "stop" else tokens)
+        if finish_reason is not None:
+            self.finished = True
+            if finish_reason == "length":  # nothing is coming to complete a character
+                text += self.detok.flush()
+        return text, len(tokens), finish_reason
 
 
 def find_stop_string(text: str, num_new_chars: int, stops: Sequence[str]) -> int | None:
