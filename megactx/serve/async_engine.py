@@ -220,19 +220,6 @@ class RequestStream:
         return bool(self._pending) and (self._urgent or self._loop.time() >= self._next_handover)
 
     # ------------------------------------------------ called by the engine, on the loop thread
-    def _push(self, prompt_index: int, delta: Delta, now: float) -> None:
-        """Queue a delta (at loop time `now`) and wake the consumer if its hand-over is due; else
-        the engine wakes it at the first step after it is (`AsyncEngine._pace`)."""
-        self._pending.append((prompt_index, delta))
-        if delta.finish_reason is not None:
-            self._urgent = True
-            self._wake()
-        elif self._waiter is not None:  # else it is busy, and takes these when it comes back
-            if now >= self._next_handover:
-                self._wake()
-            else:
-                self._engine._pace(self)
-
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
@@ -461,15 +448,38 @@ class AsyncEngine:
         loop_now = self._last_dispatch = self._loop.time()
         num_tokens = 0
         gaps: dict[float, int] = {}  # previous token time -> completions whose last token came then
+        # This loop runs for every sequence every step, on the loop that every arrival waits for:
+        # each delta's bookkeeping is inline, with what it touches in locals.
+        requests, ttft = self._requests, self.metrics.ttft if self.metrics else None
         for delta in deltas:
-            tracked = self._requests.get(delta.request_id)
-            if tracked is None or tracked.finish_reasons[delta.index] is not None:
+            tracked = requests.get(delta.request_id)
+            index = delta.index
+            if tracked is None or tracked.finish_reasons[index] is not None:
                 continue  # aborted or stopped on this side; the engine has not heard yet
-            num_tokens += len(delta.token_ids)
-            self._record_latencies(tracked, delta, now, gaps)
-            tracked.stream._push(tracked.prompt_index, delta, loop_now)
+            # latencies: the completion's token count and last token time; a request's n share a TTFT
+            n = len(delta.token_ids)
+            num_tokens += n
+            tracked.num_output_tokens += n
+            last_times = tracked.last_token_time
+            previous, last_times[index] = last_times[index], now
+            if tracked.first_token_time is None:
+                tracked.first_token_time = now
+                if ttft is not None:
+                    ttft.observe(now - tracked.arrival)
+            elif previous is not None:  # an inter-token latency, one a delta
+                gaps[previous] = gaps.get(previous, 0) + 1
+            # to its stream: a finishing delta wakes the consumer at once, the others when due
+            stream = tracked.stream
+            stream._pending.append((tracked.prompt_index, delta))
             if delta.finish_reason is not None:
-                self._finish(delta.request_id, tracked, delta.index, delta.finish_reason)
+                stream._urgent = True
+                stream._wake()
+                self._finish(delta.request_id, tracked, index, delta.finish_reason)
+            elif stream._waiter is not None:  # else it is busy, and takes these when it comes back
+                if loop_now >= stream._next_handover:
+                    stream._wake()
+                else:
+                    self._pace(stream)
         if self.metrics:
             # once a step, not once a delta: a locked counter or histogram costs the loop ~1 us a call
             if num_tokens:
@@ -531,22 +541,6 @@ class AsyncEngine:
         now = self._loop.time()
         self.metrics.loop_lag.observe(max(0.0, now - due))
         self._loop_probe = self._loop.call_at(now + LOOP_PROBE_S, self._probe_loop, now + LOOP_PROBE_S)
-
-    def _record_latencies(self, tracked: _Tracked, delta: Delta, now: float, gaps: dict[float, int]) -> None:
-        """Count a delta's tokens, stamp its completion's last token time; its gap since the
-        completion's previous token goes to `gaps` (an inter-token latency, one a delta)."""
-        tracked.num_output_tokens += len(delta.token_ids)
-        previous = tracked.last_token_time[delta.index]
-        tracked.last_token_time[delta.index] = now
-        first = tracked.first_token_time is None  # of the request: its n completions share one TTFT
-        if first:
-            tracked.first_token_time = now
-        if self.metrics is None:
-            return
-        if first:
-            self.metrics.ttft.observe(now - tracked.arrival)
-        elif previous is not None:
-            gaps[previous] = gaps.get(previous, 0) + 1
 
     def _fail_all(self, error: BaseException) -> None:
         self.error = error
