@@ -58,7 +58,7 @@ from megactx.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from megactx.engine.sequence import Sequence as Seq
 from megactx.engine.spec_decode import DRAFT_ACCEPTANCE, MTP_MODES, SpecConfig, SpecDecoder, SpecDecodeStats
 from megactx.engine.steplog import StepLog
-from megactx.engine.tokenizer import CompletionText, IncrementalDetokenizer, Tokenizer
+from megactx.engine.tokenizer import CompletionText, Tokenizer
 from megactx.kernels.reference import BLOCK_SIZE
 from megactx.model.paged import HostCopy, cache_bytes_per_token, resolve_cache_dtype
 from megactx.model.transformer import Transformer
@@ -115,8 +115,7 @@ class _Request:
                                      for i in range(len(seqs))], arrival_time=time.perf_counter())
         self.params = params
         self.seqs = seqs
-        self.completions = [_Completion(out, CompletionText(IncrementalDetokenizer(tokenizer, prompt_ids), params.stop,
-                                                            params.min_tokens) if tokenizer else None)
+        self.completions = [_Completion(out, CompletionText.of(tokenizer, prompt_ids, params))
                             for out in self.output.outputs]
         # the tokens that end it (stop token ids, and EOS unless ignore_eos)
         self.stop_token_ids = frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else eos_token_ids)
@@ -372,7 +371,9 @@ class LLM:
         if request is None:
             return
         outputs = request.output.outputs
-        for i in range(len(outputs)) if index is None else [index] if 0 <= index < len(outputs) else []:
+        if index is not None and not 0 <= index < len(outputs):
+            return
+        for i in range(len(outputs)) if index is None else [index]:
             if outputs[i].finish_reason is None:  # else its sequence is finished and gone already
                 self.scheduler.finish(request.seqs[i])
                 self._forget(request.seqs[i])

@@ -58,7 +58,7 @@ from megactx.engine.llm import LLM
 from megactx.engine.outputs import Delta
 from megactx.engine.sampling_params import SamplingParams
 from megactx.engine.spec_decode import SpecDecodeStats
-from megactx.engine.tokenizer import CompletionText, IncrementalDetokenizer
+from megactx.engine.tokenizer import CompletionText
 from megactx.serve.engine_process import EngineProcess
 from megactx.serve.metrics import ServerMetrics
 
@@ -133,9 +133,9 @@ class RequestStream:
     deltas a list at a time, paced by the engine's event budget (see the module docstring)."""
 
     def __init__(self, engine: AsyncEngine, request_ids: list[str], num_prompts: int,
-                 texts: list[list[CompletionText | None]] | None = None):
+                 texts: list[list[CompletionText | None]]):
         self.request_ids = request_ids
-        self._texts = texts or [[None]]  # [prompt][completion]: its text (None: token ids only)
+        self._texts = texts  # [prompt][completion]: its text (None: token ids only)
         self._engine = engine
         self._loop = asyncio.get_running_loop()
         self._pending: list[tuple[int, Delta]] = []  # arrived, not yet handed to the consumer
@@ -378,8 +378,7 @@ class AsyncEngine:
             raise ValueError("stop strings need a tokenizer, and this model has none; use stop_token_ids")
         arrival = time.perf_counter() if arrival is None else arrival
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-        texts = [[CompletionText(IncrementalDetokenizer(tokenizer, p), sp.stop, sp.min_tokens) if tokenizer else None
-                  for _ in range(sp.n)] for p, sp in zip(prompts, params)]
+        texts = [[CompletionText.of(tokenizer, p, sp) for _ in range(sp.n)] for p, sp in zip(prompts, params)]
         stream = RequestStream(self, ids, len(prompts), texts)
         self._streams.add(stream)
         self._num_seqs += num_seqs
