@@ -665,35 +665,41 @@ def test_an_engine_process_that_dies_fails_its_requests_and_health_and_one_that_
         EngineProcess(dict(model=str(checkpoint), device="cpu", max_model_len=1 << 40, num_blocks=8))
 
 
-def test_the_engine_processs_pipe_threads_keep_order_and_send_what_queued_up_in_one_message():
-    """The engine loop only queues; the writer sends every iteration queued since its last write in
-    one message, in order, a failure after them; the reader ends the loop's queue when the pipe closes."""
+def test_the_servers_pipe_reader_hands_the_loop_what_came_together_in_one_call():
+    """The engine process writes a message an iteration; the server's reader gives the loop every
+    iteration that had come in one callback, in order, then a failure after them, or EngineDead
+    when the pipe ends without one."""
     import multiprocessing as mp
-    import queue
+    from types import SimpleNamespace
 
-    from megactx.serve.engine_process import _PIPE_CLOSED, _read_commands, _write_outputs
+    from megactx.serve.async_engine import AsyncEngine, EngineDead
 
-    class Pipe:
-        def __init__(self):
-            self.sent = []
+    def read(messages, close):
+        read_end, write_end = mp.Pipe(duplex=False)
+        for m in messages:
+            write_end.send(m)
+        if close:
+            write_end.close()
+        calls = []
+        engine = AsyncEngine.__new__(AsyncEngine)
+        engine._loop = SimpleNamespace(call_soon_threadsafe=lambda fn, *args: calls.append((fn.__name__, args)))
+        engine.llm, engine._stopping = SimpleNamespace(outputs=read_end), False
+        engine._receive_outputs()  # returns at a failure or at the pipe's end
+        return calls
 
-        def send(self, message):
-            self.sent.append(message)
+    gauges = (1, 0, 2, 6, 0.0)
+    steps = [("step", ([("r", None)] if i == 0 else [], [("r", 0, "", [i], None, None)], float(i), gauges, None))
+             for i in range(3)]
+    calls = read([*steps, ("failed", "RuntimeError: boom")], close=False)
+    assert [name for name, _ in calls] == ["_on_engine_outputs", "_fail_all"]
+    (handed,), (error,) = calls[0][1], calls[1][1]
+    assert [(admissions, [d.token_ids for d in deltas], now) for admissions, deltas, now, _, _ in handed] == [
+        ([("r", None)], [[0]], 0.0), ([], [[1]], 1.0), ([], [[2]], 2.0)]
+    assert isinstance(error, RuntimeError) and str(error) == "RuntimeError: boom"
 
-    outbox, pipe = queue.SimpleQueue(), Pipe()
-    for i in range(3):
-        outbox.put(("steps", i))
-    outbox.put(("failed", "RuntimeError: boom"))
-    outbox.put(None)
-    _write_outputs(outbox, pipe)  # returns at None
-    assert pipe.sent == [("steps", [0, 1, 2]), ("failed", "RuntimeError: boom")]
-
-    read_end, write_end = mp.Pipe(duplex=False)
-    inbox = queue.SimpleQueue()
-    write_end.send("add")
-    write_end.close()
-    _read_commands(read_end, inbox)  # returns once the pipe is closed
-    assert [inbox.get(), inbox.get()] == ["add", _PIPE_CLOSED] and inbox.empty()
+    calls = read(steps[:1], close=True)
+    assert [name for name, _ in calls] == ["_on_engine_outputs", "_fail_all"]
+    assert isinstance(calls[1][1][0], EngineDead)
 
 
 # ---------------------------------------------------------------------------- the command line

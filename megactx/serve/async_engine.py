@@ -599,24 +599,34 @@ class AsyncEngine:
                 return
 
     def _receive_outputs(self) -> None:
-        """Process mode: the engine's messages onto the loop, until its pipe ends."""
+        """Process mode: the engine's messages onto the loop, until its pipe ends; the iterations that
+        came while the loop was busy go to it in one callback."""
         loop, pipe = self._loop, self.llm.outputs
         while True:
+            steps = []
             try:
-                kind, payload = pipe.recv()
+                while True:
+                    kind, payload = pipe.recv()
+                    if kind == "failed":
+                        break
+                    admissions, deltas, now, gauges, spec = payload
+                    steps.append((admissions, [Delta(*d) for d in deltas], now, gauges, spec))
+                    if not pipe.poll():
+                        break
             except (EOFError, OSError):
-                if not self._stopping:
-                    loop.call_soon_threadsafe(self._fail_all, EngineDead("the engine process exited"))
-                return
+                kind = None
+            if steps:
+                loop.call_soon_threadsafe(self._on_engine_outputs, steps)
             if kind == "failed":
                 loop.call_soon_threadsafe(self._fail_all, RuntimeError(payload))
                 return
-            steps = [(admissions, [Delta(*d) for d in deltas], now, gauges, spec)
-                     for admissions, deltas, now, gauges, spec in payload]
-            loop.call_soon_threadsafe(self._on_engine_outputs, steps)
+            if kind is None:
+                if not self._stopping:
+                    loop.call_soon_threadsafe(self._fail_all, EngineDead("the engine process exited"))
+                return
 
     def _on_engine_outputs(self, steps: list[tuple]) -> None:
-        """Process mode: the iterations of one message from the engine process, in order."""
+        """Process mode: the iterations that came from the engine process since the last call, in order."""
         for step in steps:
             self._on_engine_output(*step)
 

@@ -7,11 +7,15 @@ server process keeps the HTTP work and talks to it through two pipes: commands (
 one way, the engine iterations' results (admissions, deltas, gauges, speculative-decoding counters)
 the other. `AsyncEngine` runs the same engine loop (`run_engine`) either way.
 
-In the engine process two threads carry the pipes, so the engine loop only puts to and takes from
-in-process queues, as in a thread: a pipe write wakes the server's reader, and under load the
-writer paid for that wake-up (H200 host: ~0.1 ms an iteration, 5-8% of a batch-64 step, the engine
-held up between steps; a 2-core CPU: 0.22 ms a send, 30 us a poll). The output thread sends
-whatever iterations queued up while it was writing in one message.
+The engine process has no threads of its own: its loop polls the command pipe between iterations
+(a `select.poll` set up once: ~1 us) and writes each iteration's results to the output pipe itself,
+pickled (a batch-64 step's: ~2 KB, ~30 us with the write). Threads that carried the pipes for it
+(the loop only putting to and taking from in-process queues) cost it more than the work they took
+over: every message woke a thread that wanted the GIL, the loop gave it up at its next torch op,
+mid-step, and waited to get it back (~12,000 GIL waits in a 4.5 s run, H200 host: the main
+thread's voluntary context switches, against ~80 without the threads). Three interleaved pairs of
+served runs (64 clients, 2,048 x 128 tokens): 56.8-58.7K tokens/s without them against
+47.6-54.3K with, decode steps 0.84 against 0.92-1.03 ms (host 0.54-0.58 against 0.76-1.0 ms).
 
     engine = EngineProcess(dict(model="path/to/checkpoint", max_num_seqs=64))  # returns once it is loaded
     app = build_app(engine, served_model_name="tiny")                          # as with an LLM
@@ -23,13 +27,12 @@ closes, so it never outlives the server.
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import logging
 import multiprocessing as mp
-import queue
+import pickle
+import select
 import signal
-import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,10 +42,10 @@ from megactx.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("megactx.serve")
 
-# The GIL switch interval of the engine process and of a server that talks to one (Python's default
-# is 5 ms). A pipe thread woken by a message waits for the GIL until the thread holding it lets go,
-# and the engine loop seldom does (a step's host work is mostly Python): at 5 ms a request's next one
-# reached the engine 10.7 ms after the step that finished it (p50, H200, 64 clients), at 0.2 ms 6.7 ms.
+# The GIL switch interval of a server that talks to an engine process (Python's default is 5 ms): its
+# pipe threads, woken by a message, wait for the GIL until the event loop lets go. (Measured when the
+# engine process had pipe threads too: at 5 ms a request's next one reached the engine 10.7 ms after
+# the step that finished it, p50, H200, 64 clients; at 0.2 ms 6.7 ms.)
 SWITCH_INTERVAL_S = 2e-4
 
 
@@ -126,34 +129,31 @@ def _engine_main(llm_kwargs: dict[str, Any], commands, outputs, log_level: str) 
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the server decides
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
     try:
         llm = LLM(**llm_kwargs)
     except Exception as e:  # ValueError: the engine's own reason (a KV cache that does not fit, ...)
         outputs.send(("failed", f"{e}" if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"))
         return
-    spec = llm.stats.spec_decode
+    spec = llm.stats.spec_decode  # pickled with every iteration's results: the server's copy follows it
     outputs.send(("ready", EngineInfo(llm.max_model_len, llm.max_num_seqs,
                                       spec.num_speculative_tokens if spec else 0, llm.memory_report())))
 
-    inbox: queue.SimpleQueue = queue.SimpleQueue()  # commands, then _PIPE_CLOSED once the server is gone
-    outbox: queue.SimpleQueue = queue.SimpleQueue()  # ("steps", iteration) / ("failed", why), then None
-    threading.Thread(target=_read_commands, args=(commands, inbox), name="megactx-commands", daemon=True).start()
-    writer = threading.Thread(target=_write_outputs, args=(outbox, outputs), name="megactx-outputs", daemon=True)
-    writer.start()
+    poller = select.poll()  # set up once: ~1 us a poll, against ~8 for Connection.poll
+    poller.register(commands.fileno(), select.POLLIN)
 
     def receive(block: bool) -> list:
-        received = [inbox.get()] if block else []
-        while not inbox.empty():
-            received.append(inbox.get())
-        if received and received[-1] is _PIPE_CLOSED:
-            raise EOFError
+        received = [commands.recv()] if block else []  # EOFError once the server's end closes
+        while poller.poll(0):
+            received.append(commands.recv())
         return received
 
     def emit(admissions, deltas, now, gauges) -> None:
-        # the counters as they are now: the writer pickles them later, while the engine goes on
-        outbox.put(("steps", (admissions, [d.fields() for d in deltas], now, gauges, copy.deepcopy(spec))))
+        message = ("step", (admissions, [d.fields() for d in deltas], now, gauges, spec))
+        try:
+            outputs.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+        except OSError:  # the server is gone
+            raise EOFError from None
 
     try:
         run_engine(llm, receive, emit)
@@ -161,40 +161,5 @@ def _engine_main(llm_kwargs: dict[str, Any], commands, outputs, log_level: str) 
         pass
     except Exception as e:
         log.exception("the engine failed; every request in flight fails with it")
-        outbox.put(("failed", f"{type(e).__name__}: {e}"))
-    outbox.put(None)
-    writer.join()  # what the engine emitted reaches the server before the process ends
-
-
-_PIPE_CLOSED = object()
-
-
-def _read_commands(pipe, inbox: queue.SimpleQueue) -> None:
-    """The command pipe into the engine loop's queue; _PIPE_CLOSED when the server's end closes."""
-    try:
-        while True:
-            inbox.put(pipe.recv())
-    except (EOFError, OSError):
-        inbox.put(_PIPE_CLOSED)
-
-
-def _write_outputs(outbox: queue.SimpleQueue, pipe) -> None:
-    """The engine loop's results into the output pipe: every iteration queued since the last write
-    in one message ("steps", [iteration, ...]); a failure as its own message; ends at None."""
-    while True:
-        messages = [outbox.get()]
-        while not outbox.empty():
-            messages.append(outbox.get())
-        end = messages[-1] is None
-        messages = [m for m in messages if m is not None]
-        steps = [payload for kind, payload in messages if kind == "steps"]
-        try:
-            if steps:
-                pipe.send(("steps", steps))
-            for message in messages:
-                if message[0] == "failed":
-                    pipe.send(message)
-        except OSError:  # the server is gone
-            return
-        if end:
-            return
+        with contextlib.suppress(OSError):
+            outputs.send(("failed", f"{type(e).__name__}: {e}"))
