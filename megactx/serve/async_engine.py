@@ -603,26 +603,26 @@ class AsyncEngine:
         came while the loop was busy go to it in one callback."""
         loop, pipe = self._loop, self.llm.outputs
         while True:
-            steps = []
+            steps, failure, ended = [], None, False
             try:
                 while True:
                     kind, payload = pipe.recv()
                     if kind == "failed":
+                        failure = RuntimeError(payload)
                         break
                     admissions, deltas, now, gauges, spec = payload
                     steps.append((admissions, [Delta(*d) for d in deltas], now, gauges, spec))
                     if not pipe.poll():
                         break
             except (EOFError, OSError):
-                kind = None
+                ended = True
+                if not self._stopping:
+                    failure = EngineDead("the engine process exited")
             if steps:
                 loop.call_soon_threadsafe(self._on_engine_outputs, steps)
-            if kind == "failed":
-                loop.call_soon_threadsafe(self._fail_all, RuntimeError(payload))
-                return
-            if kind is None:
-                if not self._stopping:
-                    loop.call_soon_threadsafe(self._fail_all, EngineDead("the engine process exited"))
+            if failure is not None:
+                loop.call_soon_threadsafe(self._fail_all, failure)
+            if failure is not None or ended:
                 return
 
     def _on_engine_outputs(self, steps: list[tuple]) -> None:

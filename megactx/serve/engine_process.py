@@ -7,15 +7,16 @@ server process keeps the HTTP work and talks to it through two pipes: commands (
 one way, the engine iterations' results (admissions, deltas, gauges, speculative-decoding counters)
 the other. `AsyncEngine` runs the same engine loop (`run_engine`) either way.
 
-The engine process has no threads of its own: its loop polls the command pipe between iterations
-(a `select.poll` set up once: ~1 us) and writes each iteration's results to the output pipe itself,
-pickled (a batch-64 step's: ~2 KB, ~30 us with the write). Threads that carried the pipes for it
-(the loop only putting to and taking from in-process queues) cost it more than the work they took
-over: every message woke a thread that wanted the GIL, the loop gave it up at its next torch op,
-mid-step, and waited to get it back (~12,000 GIL waits in a 4.5 s run, H200 host: the main
-thread's voluntary context switches, against ~80 without the threads). Three interleaved pairs of
-served runs (64 clients, 2,048 x 128 tokens): 56.8-58.7K tokens/s without them against
-47.6-54.3K with, decode steps 0.84 against 0.92-1.03 ms (host 0.54-0.58 against 0.76-1.0 ms).
+The engine process has no threads of its own: its loop polls the command pipe between iterations (a
+`select.poll` set up once: ~1 us) and writes each iteration's results to the output pipe itself,
+pickled (a batch-64 step's: ~2 KB; on the H200 host ~25 us to pickle, ~12 us to write). Threads
+that carried the pipes for it (the loop only putting to and taking from in-process queues) cost it
+more than the work they took over: every message woke a thread that wanted the GIL, the loop gave
+it up at its next torch op, mid-step, and waited to get it back (~12,000 GIL waits in a 4.5 s run,
+H200 host: the main thread's voluntary context switches, against ~80 without the threads). Three
+interleaved pairs of served runs (64 clients, 2,048 x 128 tokens): 56.8-58.7K tokens/s without them
+against 47.6-54.3K with, decode steps 0.83-0.85 against 0.92-1.03 ms (host 0.54-0.58 against
+0.76-1.0 ms).
 
     engine = EngineProcess(dict(model="path/to/checkpoint", max_num_seqs=64))  # returns once it is loaded
     app = build_app(engine, served_model_name="tiny")                          # as with an LLM
