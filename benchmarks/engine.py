@@ -26,16 +26,22 @@ server's own (its /metrics histogram, from the request handler). Each client kee
 online tokens/s ÷ offline tokens/s at batch C. The R requests go in rounds (4 on a GPU) with
 offline runs at batch C before the first and after each, and the offline figure is their mean: the
 offline engine stays loaded beside the server (idle while the clients run), since a lent host's
-speed drifts, within a run, by more than the 10% to be measured. Twice, side by side: with the engine in a thread of
-the server's process (`--no-engine-process`), and in a process of its own (serve's default;
-`--no-online-engine-process` skips that run). Beside them,
-the same workload on the offline engine in-process, without HTTP (C requests in flight, the clients
-starting one a step, a client's next added when its last ends): what the engine itself makes of
-requests that arrive as others end, so that the overhead splits into the engine's part and the
-server's.
+speed drifts, within a run, by more than the 10% to be measured. Three runs, side by side: C
+clients with the engine in a thread of the server's process (`--no-engine-process`), and in a
+process of its own (serve's default; `--no-online-engine-process` skips that run); then the default
+server with its batch kept full: its --max-num-seqs is C and 2C clients send (--saturated-clients;
+0 skips it), so requests queue in the server and its engine runs batches of C, as the offline
+engine does (vLLM compares its server at request rate inf with its offline throughput the same
+way). At exactly C clients each finished request's slot idles until that client's next request has
+come through the HTTP layer: those runs measure the clients' turnaround too. Beside them, the C-client
+workload on the offline engine in-process, without HTTP (C requests in flight, the clients starting
+one a step, a client's next added when its last ends): what the engine itself makes of requests
+that arrive as others end, so that the closed loop's overhead splits into the engine's part and
+the server's.
 
 Targets (the issue's): megactx >= 10x transformers' output tokens/s at batch 64 on a GPU; server
-overhead <= 10%.
+overhead <= 10%, judged on the run with the batch kept full (what the server costs the engine); the
+default server's closed-loop overhead at C clients is quoted beside it.
 
 Default sizes:
 
@@ -105,9 +111,13 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # Targets of the issue (benchmark figures, not tests).
 TARGET_SPEEDUP = 10.0  # megactx output tokens/s >= 10x transformers' ...
 TARGET_SPEEDUP_BATCH = 64  # ... at this batch, on a GPU
-MAX_SERVER_OVERHEAD = 0.10  # online tokens/s within 10% of offline at the same concurrency
+MAX_SERVER_OVERHEAD = 0.10  # online tokens/s within 10% of offline at the engine's batch (ONLINE_SATURATED's)
 ONLINE_PROCESS = "online_engine_process"  # results key (and part name) of the --engine-process online run
-ONLINE_RUNS = (("online", "engine thread (--no-engine-process)"), (ONLINE_PROCESS, "engine process (default)"))
+# results key (and part name) of the run the overhead target is judged on: the default server with
+# more clients than its --max-num-seqs, so that requests queue and the engine's batch stays full
+ONLINE_SATURATED = "online_saturated"
+ONLINE_RUNS = (("online", "engine thread (--no-engine-process)"), (ONLINE_PROCESS, "engine process (default)"),
+               (ONLINE_SATURATED, "engine process (default), batch kept full"))
 CLOSED_LOOP = "closed_loop"  # results key: the online workload on the offline engine, in-process
 CLOSED_LOOP_LABEL = "engine alone, in-process (no HTTP)"
 # offline runs at batch C before an online run's first round and after each (the figure its overhead
@@ -115,6 +125,10 @@ CLOSED_LOOP_LABEL = "engine alone, in-process (no HTTP)"
 # of batch-64 runs back to back: 28,680 ... 46,714) and by 1.4x between two sets of such runs 20 s
 # apart, so one run, or runs only before and after the whole online run, would not do
 REFERENCE_RUNS = 8
+# an online run whose offline references (the sets of REFERENCE_RUNS around its rounds) differ by more
+# than this fraction of their mean cannot decide the overhead target: the host's speed moved by more
+# than the 10% to be measured (seen on the H200 host: sets 40-70K tokens/s apart within a minute)
+MAX_REFERENCE_SPREAD = MAX_SERVER_OVERHEAD
 HEALTH_POLL_S = 0.5
 SERVER_STOP_S = 30.0  # after SIGTERM, then SIGKILL
 LOG_TAIL_CHARS = 1500  # of the server's output, in the reason of a failed online run
@@ -135,6 +149,9 @@ class Settings:
     warmup_len: int = 128
     reps: int = 3  # timed runs of every batch (other prompts each); the figure is the median run's
     concurrency: int = 64  # C, online clients in flight
+    # the saturated run's clients (None: 2C), against a server whose --max-num-seqs is C: requests
+    # queue, so the engine's batch stays at C as the offline one's does (0: no such run)
+    saturated_clients: int | None = None
     # R, online requests in all, sent in `rounds` rounds with offline runs between them (the figure
     # the overhead is taken against; see REFERENCE_RUNS). 16 a client in a round on a GPU: a round
     # starts at once and ends unevenly (requests made in turns end in turns), so fewer than C are in
@@ -177,10 +194,16 @@ class Settings:
                             ("--rounds", self.rounds)):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
+        if self.saturated_clients is not None and self.saturated_clients < 0:
+            raise ValueError(f"--saturated-clients must be >= 0 (0 = no such run), got {self.saturated_clients}")
         if self.requests < self.rounds:
             raise ValueError(f"--requests ({self.requests}) must be at least --rounds ({self.rounds}): "
                              "every round sends some")
         self.warmup_len = min(self.warmup_len, self.output_len)
+
+    @property
+    def num_saturated_clients(self) -> int:
+        return 2 * self.concurrency if self.saturated_clients is None else self.saturated_clients
 
     @property
     def dtype(self) -> torch.dtype:
@@ -723,7 +746,9 @@ def run_closed_loop(llm, s: Settings, between: Callable[[], object] = _nothing) 
                       summarize([o.finish_time - o.arrival_time for o in outs]), {"engine_steps": step_figures()})
 
 
-def online_figures(results: list[RequestResult], wall_s: float, s: Settings) -> RunFigures:
+def online_figures(results: list[RequestResult], wall_s: float, s: Settings, clients: int | None = None) -> RunFigures:
+    """The figures of an online run; its batch is C (the offline runs it compares with), `clients`
+    (in its detail) the clients that sent the requests, C unless given."""
     counted = [r.completion_tokens for r in results]
     exact = all(t is not None for t in counted)
     # without usage chunks, count max_tokens a request: ignore_eos makes every request that long
@@ -732,22 +757,24 @@ def online_figures(results: list[RequestResult], wall_s: float, s: Settings) -> 
     return RunFigures(SERVE, s.concurrency, len(results), s.prompt_len, s.output_len, tokens, wall_s,
                       summarize(ttft), None, summarize([r.latency_s for r in results]),
                       {"tokens_counted_from": "usage" if exact else "max_tokens",
-                       "chunks": sum(r.chunks for r in results)})
+                       "chunks": sum(r.chunks for r in results), "clients": clients or s.concurrency})
 
 
 def run_online(path: Path, s: Settings, vocab_size: int, log: Callable[[str], object],
-               extra_args: Sequence[str] = (), between: Callable[[], object] = _nothing) -> RunFigures:
-    """Start the server (with extra_args), run one warm-up round of clients, then `s.rounds` timed
-    rounds of R requests in all, stop it. between(): called before the first timed round and after
-    each (not timed; the server idles meanwhile)."""
+               extra_args: Sequence[str] = (), between: Callable[[], object] = _nothing,
+               clients: int | None = None) -> RunFigures:
+    """Start the server (with extra_args), run one warm-up round of clients (C, unless `clients`),
+    then `s.rounds` timed rounds of R requests in all, stop it. between(): called before the first
+    timed round and after each (not timed; the server idles meanwhile)."""
+    clients = clients or s.concurrency
     if extra_args:
         s = dataclasses.replace(s, serve_args=[*extra_args, *s.serve_args])
     with ServeProcess(path, s) as server:
         log(f"megactx serve is up on port {server.port}")
         model = server.model_name(default=str(path))
         # batch 0 in the seed: prompts of their own, none the offline runs used
-        warm = random_prompts(s.concurrency, s.prompt_len, vocab_size, _prompt_seed(s, 0, 0))
-        client_round(server.host, server.port, completion_bodies(model, warm, s.warmup_len), s.concurrency,
+        warm = random_prompts(clients, s.prompt_len, vocab_size, _prompt_seed(s, 0, 0))
+        client_round(server.host, server.port, completion_bodies(model, warm, s.warmup_len), clients,
                      s.request_timeout_s)
         prompts = random_prompts(s.requests, s.prompt_len, vocab_size, _prompt_seed(s, 0, 1))
         results, wall, start = [], 0.0, time.perf_counter()
@@ -756,7 +783,7 @@ def run_online(path: Path, s: Settings, vocab_size: int, log: Callable[[str], ob
             between()
             before = server.histograms(*SERVER_HISTOGRAMS)
             got, took = client_round(server.host, server.port, completion_bodies(model, part, s.output_len),
-                                     s.concurrency, s.request_timeout_s)
+                                     clients, s.request_timeout_s)
             for name, after in server.histograms(*SERVER_HISTOGRAMS).items():
                 if name in before:
                     new = after - before[name]
@@ -765,7 +792,7 @@ def run_online(path: Path, s: Settings, vocab_size: int, log: Callable[[str], ob
             wall += took
         steps = server.steps(start, time.perf_counter())  # the server makes no steps between rounds
         between()
-    figures = online_figures(results, wall, s)
+    figures = online_figures(results, wall, s, clients)
     figures.detail["engine_steps"] = steps
     ttft, lag = observed.get(SERVER_HISTOGRAMS[0]), observed.get(SERVER_HISTOGRAMS[1])
     if ttft and ttft.count:
@@ -788,7 +815,7 @@ class EngineBench:
 
         self.path, self.s = path, s
         self.cfg = ModelConfig.from_pretrained(path)
-        self.llm = None  # the offline engine, kept for the offline runs between an online run's rounds
+        self.llm = None  # the offline engine (engine()), kept for the offline runs between an online run's rounds
         self.progress = progress or Progress()
         self.results: dict[str, Any] = {
             "schema": SCHEMA, "machine": machine_info(s.device), "settings": s.to_dict(),
@@ -809,8 +836,9 @@ class EngineBench:
 
     def _run_parts(self, start: float, after_part: Callable[[dict[str, Any]], object] | None) -> None:
         parts = [("ceilings", self.ceilings), ("offline", self.offline)]
-        parts += [("online", self.online_thread)] if self.s.online else []
+        parts += [(CLOSED_LOOP, self.closed_loop), ("online", self.online_thread)] if self.s.online else []
         parts += [(ONLINE_PROCESS, self.online_process)] if self.s.online and self.s.online_engine_process else []
+        parts += [(ONLINE_SATURATED, self.online_saturated)] if self.s.online and self.s.num_saturated_clients else []
         for name, part in parts:
             try:
                 part()
@@ -835,15 +863,20 @@ class EngineBench:
                           f"tokens/s, wall {fmt_time(figures.wall_s)}, TTFT p50 {_p(figures.ttft_s, 'p50')}, "
                           f"ITL p50 {_p(figures.itl_s, 'p50')}")
 
+    def engine(self):
+        """The offline engine, loaded at its first use and kept: for the offline table, the closed loop
+        and the offline runs between an online run's rounds."""
+        if self.llm is None:
+            self.progress.log(f"megactx: loading {self.path} on {self.s.device}")
+            self.llm = offline_engine(self.path, self.s)
+            self.results["model"]["params"] = sum(p.numel() for p in self.llm.model.parameters())
+        return self.llm
+
     def offline(self) -> None:
         """megactx and (with a peer) transformers, loaded side by side: at each batch size their
-        timed runs alternate (see `interleaved`); then the closed loop on megactx's engine."""
+        timed runs alternate (see `interleaved`)."""
         model = self.load_peer() if self.s.peer else None  # first: the engine's KV plan then leaves it room
-        self.progress.log(f"megactx: loading {self.path} on {self.s.device}")
-        llm = offline_engine(self.path, self.s)
-        if self.s.online:
-            self.llm = llm  # for the offline runs between an online run's rounds
-        self.results["model"]["params"] = sum(p.numel() for p in llm.model.parameters())
+        llm = self.engine()
         for batch in self.s.batches:
             tokens: list[list[int]] = []
             runs = [megactx_runs(llm, self.s, batch, tokens)]
@@ -852,13 +885,15 @@ class EngineBench:
             for figures in interleaved(runs):
                 self._add(figures)
         del model
-        _free(self.s.device)
-        if self.s.online:
-            figures = self.referenced(lambda between: run_closed_loop(llm, self.s, between))
-            self.results[CLOSED_LOOP] = figures.to_dict()
-            self.progress.log(f"{CLOSED_LOOP}: {self.s.concurrency} requests in flight: "
-                              f"{fmt_num(figures.tokens_per_s)} tokens/s, latency p50 {_p(figures.latency_s, 'p50')}, "
-                              f"TTFT p50 {_p(figures.ttft_s, 'p50')}")
+
+    def closed_loop(self) -> None:
+        """The online workload on the offline engine, in-process (see run_closed_loop)."""
+        llm = self.engine()
+        figures = self.referenced(lambda between: run_closed_loop(llm, self.s, between))
+        self.results[CLOSED_LOOP] = figures.to_dict()
+        self.progress.log(f"{CLOSED_LOOP}: {self.s.concurrency} requests in flight: "
+                          f"{fmt_num(figures.tokens_per_s)} tokens/s, latency p50 {_p(figures.latency_s, 'p50')}, "
+                          f"TTFT p50 {_p(figures.ttft_s, 'p50')}")
 
     def load_peer(self):
         """transformers' model of the checkpoint, or None (reported as skipped) when it cannot load."""
@@ -896,11 +931,12 @@ class EngineBench:
         walls = figures.detail["walls_s"]
         return figures.output_tokens * len(walls) / sum(walls)
 
-    def online(self, key: str = "online", extra_args: Sequence[str] = ()) -> None:
+    def online(self, key: str = "online", extra_args: Sequence[str] = (), clients: int | None = None) -> None:
         what = " ".join(["megactx serve", *extra_args])
-        self.progress.log(f"{key}: starting {what}, {self.s.concurrency} clients, {self.s.requests} requests")
+        clients = clients or self.s.concurrency
+        self.progress.log(f"{key}: starting {what}, {clients} clients, {self.s.requests} requests")
         figures = self.referenced(lambda between: run_online(self.path, self.s, self.cfg.vocab_size,
-                                                             self.progress.log, extra_args, between))
+                                                             self.progress.log, extra_args, between, clients))
         self.results[key] = figures.to_dict()
         self.progress.log(f"{key}: {figures.requests_per_s:.2f} requests/s, {fmt_num(figures.tokens_per_s)} "
                           f"tokens/s, latency p50 {_p(figures.latency_s, 'p50')}, TTFT p50 {_p(figures.ttft_s, 'p50')}")
@@ -910,6 +946,13 @@ class EngineBench:
 
     def online_thread(self) -> None:
         self.online("online", ["--no-engine-process"])
+
+    def online_saturated(self) -> None:
+        """The default server with its batch room at C and more clients than that: the engine always
+        has requests queued, as an offline engine has, so the comparison leaves out the clients' own
+        turnaround (a closed-loop client's next request is in transit while its slot idles)."""
+        self.online(ONLINE_SATURATED, ["--engine-process", "--max-num-seqs", str(self.s.concurrency)],
+                    self.s.num_saturated_clients)
 
 
 def _online_runs(results: dict[str, Any]) -> list[tuple[str, RunFigures]]:
@@ -969,26 +1012,40 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                or "not run")
         rows.append(_target(t, "–", f">= {TARGET_SPEEDUP:.0f}x", None, why))
 
-    # the server as it ships (its engine in a process of its own); the engine-thread run's overhead
-    # is in the online table beside it, for comparison
-    t = (f"server overhead <= {MAX_SERVER_OVERHEAD:.0%} of offline output tokens/s at the same concurrency, "
-         f"{dict(ONLINE_RUNS)[ONLINE_PROCESS]}")
-    online = RunFigures.from_dict(results[ONLINE_PROCESS]) if results.get(ONLINE_PROCESS) else None
+    # the server as it ships (its engine in a process of its own) with its batch kept full: what the
+    # server costs the engine. The closed-loop runs' overheads (the clients' turnaround included) are
+    # in the online table beside it; the default server's is quoted in the note.
+    t = (f"server overhead <= {MAX_SERVER_OVERHEAD:.0%} of offline output tokens/s at the engine's batch, "
+         f"{dict(ONLINE_RUNS)[ONLINE_SATURATED]}")
+    online = RunFigures.from_dict(results[ONLINE_SATURATED]) if results.get(ONLINE_SATURATED) else None
     offline = online and _reference(results, online)
+    closed = RunFigures.from_dict(results[ONLINE_PROCESS]) if results.get(ONLINE_PROCESS) else None
+    closed_offline = closed and _reference(results, closed)
+    note = (f"{closed.batch} closed-loop clients: {1 - closed.tokens_per_s / closed_offline:.1%}"
+            if closed and closed_offline else "")
     if online and offline:
         overhead = 1 - online.tokens_per_s / offline
-        rows.append(_target(t, f"{overhead:.1%} ({fmt_num(online.tokens_per_s)} online vs "
+        clients = online.detail.get("clients", online.batch)
+        passed = overhead <= MAX_SERVER_OVERHEAD
+        around = online.detail.get("offline_tokens_per_s_around") or []
+        if around and (max(around) - min(around)) / offline > MAX_REFERENCE_SPREAD:
+            passed = None  # the reference moved more than what is measured
+            note = "; ".join(filter(None, [
+                f"undecided: the offline runs around it gave {fmt_num(min(around))} - {fmt_num(max(around))} tokens/s, "
+                f"a spread of {(max(around) - min(around)) / offline:.0%} of their mean, more than the "
+                f"{MAX_SERVER_OVERHEAD:.0%} to be measured (the host's speed drifted); run again", note]))
+        rows.append(_target(t, f"{overhead:.1%} ({fmt_num(online.tokens_per_s)} online from {clients} clients vs "
                                f"{fmt_num(offline)} offline tokens/s at {online.batch})",
-                            f"<= {MAX_SERVER_OVERHEAD:.0%}", overhead <= MAX_SERVER_OVERHEAD))
+                            f"<= {MAX_SERVER_OVERHEAD:.0%}", passed, note))
     else:
         if online:
-            why = f"no offline megactx run at batch {online.batch} (the clients' concurrency)"
+            why = f"no offline megactx run at batch {online.batch} (the server's --max-num-seqs)"
         elif not results["settings"]["online"]:
             why = "online run disabled (--no-online)"
-        elif not results["settings"].get("online_engine_process", True):
-            why = "the default server's run disabled (--no-online-engine-process)"
+        elif results["settings"].get("saturated_clients") == 0:
+            why = "the saturated run disabled (--saturated-clients 0)"
         else:
-            why = _skip_reason(results, ONLINE_PROCESS) or "not run"
+            why = _skip_reason(results, ONLINE_SATURATED) or "not run"
         rows.append(_target(t, "–", f"<= {MAX_SERVER_OVERHEAD:.0%}", None, why))
     return rows
 
@@ -1041,8 +1098,14 @@ def render_markdown(results: dict[str, Any], targets: list[dict[str, Any]]) -> s
     runs = _online_runs(results)
     if runs:
         rounds = s.get("rounds", 1)
-        out.append(f"The requests in {rounds} round{'s' if rounds > 1 else ''} of {s['concurrency']} clients. "
-                   "Overhead: 1 − tokens/s ÷ offline tokens/s at the batch of the clients, the mean of offline "
+        out.append(f"The requests in {rounds} round{'s' if rounds > 1 else ''}, each client sending its next "
+                   "request when its last has ended (a closed loop). Batch kept full: a server whose "
+                   f"--max-num-seqs is {s['concurrency']}, with more clients than that, so that requests queue "
+                   "and its engine runs full batches as the offline one does (as vLLM compares its server at "
+                   "request rate inf with its offline throughput): the server's own cost. At exactly "
+                   f"{s['concurrency']} clients a finished request's slot idles until that client's next "
+                   "request has come through the HTTP layer. "
+                   "Overhead: 1 − tokens/s ÷ offline tokens/s at the engine's batch, the mean of offline "
                    f"runs ({REFERENCE_RUNS} at a time) before the first round and after each (the host's speed "
                    "drifts between parts of a run; min – max beside it). The first row runs the "
                    "same requests on the offline engine in-process (the clients starting one a step, a client's "
@@ -1062,7 +1125,8 @@ def render_markdown(results: dict[str, Any], targets: list[dict[str, Any]]) -> s
             split = " / ".join("–" if t is None else fmt_time(t) for t in split) if f.engine == SERVE else "–"
             lag = f.detail.get("loop_lag_s")
             lag = (f"{fmt_time(lag['mean'])} / ≤ {fmt_time(lag['p90'])} / ≤ {fmt_time(lag['p99'])}" if lag else "–")
-            rows.append([label, f.batch, f.requests, fmt_num(f.requests_per_s), fmt_num(f.tokens_per_s),
+            rows.append([label, f.detail.get("clients", f.batch), f.requests, fmt_num(f.requests_per_s),
+                         fmt_num(f.tokens_per_s),
                          (fmt_num(offline) + (f" ({fmt_num(min(around))} – {fmt_num(max(around))})" if around else "")
                           if offline else "–"), overhead, *_lat(f.latency_s),
                          *_lat(f.ttft_s), split, lag])
@@ -1095,7 +1159,7 @@ def steps_markdown(results: dict[str, Any]) -> str:
     against the offline one shows as slower decode steps, more steps with prefill, or captures."""
     runs = [(f"offline, batch {f.batch}", f) for f in map(RunFigures.from_dict, results["offline"])
             if f.engine == MEGACTX]
-    runs += [(f"{label}, {f.batch} clients", f) for label, f in _online_runs(results)]
+    runs += [(f"{label}, {f.detail.get('clients', f.batch)} clients", f) for label, f in _online_runs(results)]
     rows = []
     for label, f in runs:
         st = f.detail.get("engine_steps")
@@ -1203,6 +1267,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=None, help="generated tokens a request (M)")
     p.add_argument("--concurrency", type=int, default=None,
                    help="online clients in flight (C); the overhead compares with offline runs at batch C")
+    p.add_argument("--saturated-clients", type=int, default=None,
+                   help="clients of the run that keeps the server's batch full (its --max-num-seqs is C): the run "
+                        "the overhead target is judged on (default 2C; 0 skips it)")
     p.add_argument("--requests", type=int, default=None, help="online requests in all (R)")
     p.add_argument("--rounds", type=int, default=None,
                    help="rounds the R requests are sent in, with offline runs at batch C before the first and after "
@@ -1230,8 +1297,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device cuda, but torch {torch.__version__} sees no CUDA GPU; use --device cpu")
     s = Settings.defaults(device, args.quick)
-    for name in ("batches", "prompt_len", "output_len", "concurrency", "requests", "rounds", "port", "threads",
-                 "reps"):
+    for name in ("batches", "prompt_len", "output_len", "concurrency", "saturated_clients", "requests", "rounds",
+                 "port", "threads", "reps"):
         if getattr(args, name) is not None:
             setattr(s, name, getattr(args, name))
     s.seed, s.peer, s.online, s.serve_args = args.seed, not args.no_peer, not args.no_online, list(args.serve_arg)
