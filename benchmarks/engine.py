@@ -887,8 +887,13 @@ class EngineBench:
         del model
 
     def closed_loop(self) -> None:
-        """The online workload on the offline engine, in-process (see run_closed_loop)."""
+        """The online workload on the offline engine, in-process (see run_closed_loop). First the
+        process's objects go out of the garbage collector's sight, as the server's engine process
+        does with its own, so that the offline runs from here on (the online runs' references too)
+        are not held up by full collections the served engine no longer makes."""
         llm = self.engine()
+        _free(self.s.device)  # transformers' model, deleted after the offline table
+        gc.freeze()
         figures = self.referenced(lambda between: run_closed_loop(llm, self.s, between))
         self.results[CLOSED_LOOP] = figures.to_dict()
         self.progress.log(f"{CLOSED_LOOP}: {self.s.concurrency} requests in flight: "
@@ -1210,7 +1215,7 @@ def plot(results: dict[str, Any], path: Path) -> bool:
             ax1.bar_label(bars, [fmt_num(f.tokens_per_s) for f in mine], fontsize=7)
     for k, (label, online) in enumerate(onlines):
         bars = ax1.bar([x[online.batch] + (1.5 + k) * width], [online.tokens_per_s], width, color=f"C{2 + k}",
-                       label=f"{_plot_label(label, online)} ({online.batch} clients)")
+                       label=f"{_plot_label(label, online)} ({online.detail.get('clients', online.batch)} clients)")
         ax1.bar_label(bars, [fmt_num(online.tokens_per_s)], fontsize=7)
     ax1.set(yscale="log", xlabel="batch (requests in flight)", ylabel="output tokens/s",
             title="Throughput (higher is better)")
@@ -1236,7 +1241,8 @@ def plot(results: dict[str, Any], path: Path) -> bool:
         ax.grid(True, which="both", axis="y", alpha=0.3)
         low, high = ax.get_ylim()
         ax.set_ylim(low, high * 30)  # log axes: room above the data for the legend
-        ax.legend(fontsize=7, loc="upper left")
+        if ax.get_legend_handles_labels()[0]:  # (a report written before the first run has none)
+            ax.legend(fontsize=7, loc="upper left")
     device = results["machine"].get("gpu") or results["machine"]["device"]
     s = results["settings"]
     fig.suptitle(f"megactx bench engine: {device}, {s['prompt_len']} prompt + {s['output_len']} output tokens "
