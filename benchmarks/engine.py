@@ -260,6 +260,11 @@ class RunFigures:
     def requests_per_s(self) -> float:
         return self.requests / self.wall_s
 
+    @property
+    def clients(self) -> int:
+        """The clients that sent an online run's requests (more than its batch when it kept the batch full)."""
+        return self.detail.get("clients", self.batch)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"tokens_per_s": self.tokens_per_s, "requests_per_s": self.requests_per_s}
 
@@ -892,8 +897,7 @@ class EngineBench:
         does with its own, so that the offline runs from here on (the online runs' references too)
         are not held up by full collections the served engine no longer makes."""
         llm = self.engine()
-        _free(self.s.device)  # transformers' model, deleted after the offline table
-        gc.freeze()
+        gc.freeze()  # (transformers' model is gone: the offline part deleted it, and _run_parts collected)
         figures = self.referenced(lambda between: run_closed_loop(llm, self.s, between))
         self.results[CLOSED_LOOP] = figures.to_dict()
         self.progress.log(f"{CLOSED_LOOP}: {self.s.concurrency} requests in flight: "
@@ -1030,17 +1034,17 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             if closed and closed_offline else "")
     if online and offline:
         overhead = 1 - online.tokens_per_s / offline
-        clients = online.detail.get("clients", online.batch)
         passed = overhead <= MAX_SERVER_OVERHEAD
-        around = online.detail.get("offline_tokens_per_s_around") or []
-        if around and (max(around) - min(around)) / offline > MAX_REFERENCE_SPREAD:
+        around = online.detail.get("offline_tokens_per_s_around") or [offline]
+        spread = (max(around) - min(around)) / offline
+        if spread > MAX_REFERENCE_SPREAD:
             passed = None  # the reference moved more than what is measured
             note = "; ".join(filter(None, [
                 f"undecided: the offline runs around it gave {fmt_num(min(around))} - {fmt_num(max(around))} tokens/s, "
-                f"a spread of {(max(around) - min(around)) / offline:.0%} of their mean, more than the "
-                f"{MAX_SERVER_OVERHEAD:.0%} to be measured (the host's speed drifted); run again", note]))
-        rows.append(_target(t, f"{overhead:.1%} ({fmt_num(online.tokens_per_s)} online from {clients} clients vs "
-                               f"{fmt_num(offline)} offline tokens/s at {online.batch})",
+                f"a spread of {spread:.0%} of their mean, more than the {MAX_SERVER_OVERHEAD:.0%} to be measured "
+                "(the host's speed drifted); run again", note]))
+        rows.append(_target(t, f"{overhead:.1%} ({fmt_num(online.tokens_per_s)} online from {online.clients} "
+                               f"clients vs {fmt_num(offline)} offline tokens/s at {online.batch})",
                             f"<= {MAX_SERVER_OVERHEAD:.0%}", passed, note))
     else:
         if online:
@@ -1130,7 +1134,7 @@ def render_markdown(results: dict[str, Any], targets: list[dict[str, Any]]) -> s
             split = " / ".join("–" if t is None else fmt_time(t) for t in split) if f.engine == SERVE else "–"
             lag = f.detail.get("loop_lag_s")
             lag = (f"{fmt_time(lag['mean'])} / ≤ {fmt_time(lag['p90'])} / ≤ {fmt_time(lag['p99'])}" if lag else "–")
-            rows.append([label, f.detail.get("clients", f.batch), f.requests, fmt_num(f.requests_per_s),
+            rows.append([label, f.clients, f.requests, fmt_num(f.requests_per_s),
                          fmt_num(f.tokens_per_s),
                          (fmt_num(offline) + (f" ({fmt_num(min(around))} – {fmt_num(max(around))})" if around else "")
                           if offline else "–"), overhead, *_lat(f.latency_s),
@@ -1164,7 +1168,7 @@ def steps_markdown(results: dict[str, Any]) -> str:
     against the offline one shows as slower decode steps, more steps with prefill, or captures."""
     runs = [(f"offline, batch {f.batch}", f) for f in map(RunFigures.from_dict, results["offline"])
             if f.engine == MEGACTX]
-    runs += [(f"{label}, {f.detail.get('clients', f.batch)} clients", f) for label, f in _online_runs(results)]
+    runs += [(f"{label}, {f.clients} clients", f) for label, f in _online_runs(results)]
     rows = []
     for label, f in runs:
         st = f.detail.get("engine_steps")
@@ -1215,7 +1219,7 @@ def plot(results: dict[str, Any], path: Path) -> bool:
             ax1.bar_label(bars, [fmt_num(f.tokens_per_s) for f in mine], fontsize=7)
     for k, (label, online) in enumerate(onlines):
         bars = ax1.bar([x[online.batch] + (1.5 + k) * width], [online.tokens_per_s], width, color=f"C{2 + k}",
-                       label=f"{_plot_label(label, online)} ({online.detail.get('clients', online.batch)} clients)")
+                       label=f"{_plot_label(label, online)} ({online.clients} clients)")
         ax1.bar_label(bars, [fmt_num(online.tokens_per_s)], fontsize=7)
     ax1.set(yscale="log", xlabel="batch (requests in flight)", ylabel="output tokens/s",
             title="Throughput (higher is better)")
