@@ -123,7 +123,8 @@ CLOSED_LOOP_LABEL = "engine alone, in-process (no HTTP)"
 # offline runs at batch C before an online run's first round and after each (the figure its overhead
 # is taken against): the lent H200 host's speed moved +-25% from one 0.2 s run to the next (tokens/s
 # of batch-64 runs back to back: 28,680 ... 46,714) and by 1.4x between two sets of such runs 20 s
-# apart, so one run, or runs only before and after the whole online run, would not do
+# apart, so one run, or runs only before and after the whole online run, would not do. (Its vCPUs each
+# switch between two speeds, 1.7x apart, every 1-3 s: benchmarks/README.md, `megactx bench engine`.)
 REFERENCE_RUNS = 8
 # an online run whose offline references (the sets of REFERENCE_RUNS around its rounds) differ by more
 # than this fraction of their mean cannot decide the overhead target: the host's speed moved by more
