@@ -448,9 +448,10 @@ def _free(device: str) -> None:
 
 
 # ------------------------------------------------------------------------------ online
-# what the online run reads from the server's /metrics: its own TTFT (from the request handler) and
-# its event loop's lag
-SERVER_HISTOGRAMS = ("megactx_time_to_first_token_seconds", "megactx_event_loop_lag_seconds")
+# what the online run reads from the server's /metrics: its own TTFT (from the request handler), its
+# event loop's lag and its garbage collector's pauses
+SERVER_HISTOGRAMS = ("megactx_time_to_first_token_seconds", "megactx_event_loop_lag_seconds",
+                     "megactx_gc_pause_seconds")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -800,12 +801,15 @@ def run_online(path: Path, s: Settings, vocab_size: int, log: Callable[[str], ob
         between()
     figures = online_figures(results, wall, s, clients)
     figures.detail["engine_steps"] = steps
-    ttft, lag = observed.get(SERVER_HISTOGRAMS[0]), observed.get(SERVER_HISTOGRAMS[1])
+    ttft, lag, pauses = (observed.get(name) for name in SERVER_HISTOGRAMS)
     if ttft and ttft.count:
         # the server's own TTFT (from its request handler): the rest of the clients' is before the handler
         figures.detail["server_ttft_mean_s"] = ttft.mean
     if lag and lag.count:  # how late its event loop ran a 10 ms timer: what arrivals and events waited
         figures.detail["loop_lag_s"] = {"mean": lag.mean, "p90": lag.quantile(0.9), "p99": lag.quantile(0.99)}
+    if pauses is not None:  # the server process's garbage-collector pauses (its loop stood still)
+        figures.detail["server_gc_pauses"] = {"count": pauses.count, "total_s": pauses.sum,
+                                              "p99_s": pauses.quantile(0.99) if pauses.count else None}
     ttfts = [r.ttft_s for r in results if r.ttft_s is not None]
     figures.detail["client_ttft_mean_s"] = statistics.fmean(ttfts) if ttfts else None
     return figures
@@ -1125,7 +1129,9 @@ def render_markdown(results: dict[str, Any], targets: list[dict[str, Any]]) -> s
                    "difference is spent before the handler (connection, parsing, the event loop's queue). Event "
                    "loop lag: how late the server's loop ran a timer due every 10 ms during the rounds "
                    "(its /metrics histogram; p90 and p99 as bucket bounds, resolution ~1 ms): what each "
-                   "arrival and each streamed event waited for the loop.\n")
+                   "arrival and each streamed event waited for the loop. GC pauses: the server process's "
+                   "garbage-collector pauses during the rounds (its /metrics histogram), their count and "
+                   "total time, through which its loop stood still.\n")
         rows = []
         for label, f in runs:
             offline = _reference(results, f)
@@ -1135,15 +1141,17 @@ def render_markdown(results: dict[str, Any], targets: list[dict[str, Any]]) -> s
             split = " / ".join("–" if t is None else fmt_time(t) for t in split) if f.engine == SERVE else "–"
             lag = f.detail.get("loop_lag_s")
             lag = (f"{fmt_time(lag['mean'])} / ≤ {fmt_time(lag['p90'])} / ≤ {fmt_time(lag['p99'])}" if lag else "–")
+            gcp = f.detail.get("server_gc_pauses")
+            gcp = f"{gcp['count']:.0f}, {fmt_time(gcp['total_s'])}" if gcp else "–"
             rows.append([label, f.clients, f.requests, fmt_num(f.requests_per_s),
                          fmt_num(f.tokens_per_s),
                          (fmt_num(offline) + (f" ({fmt_num(min(around))} – {fmt_num(max(around))})" if around else "")
                           if offline else "–"), overhead, *_lat(f.latency_s),
-                         *_lat(f.ttft_s), split, lag])
+                         *_lat(f.ttft_s), split, lag, gcp])
         out.append(md_table(
             ["server", "clients", "requests", "requests/s", "output tokens/s",
              "offline tokens/s at that batch (min – max)", "overhead", "latency p50", "latency p99", "TTFT p50",
-             "TTFT p99", "TTFT mean, client / server", "event loop lag mean / p90 / p99"], rows))
+             "TTFT p99", "TTFT mean, client / server", "event loop lag mean / p90 / p99", "GC pauses"], rows))
         if any(f.detail.get("tokens_counted_from") == "max_tokens" for _, f in runs if f.engine == SERVE):
             out.append("\n(The server sent no usage chunk: every request is counted as max_tokens long.)\n")
         if all(f.engine == CLOSED for _, f in runs):

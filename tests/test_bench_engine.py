@@ -232,6 +232,8 @@ def test_online_run_through_megactx_serve(ckpt, extra_args, clients):
     assert 0 < f.detail["server_ttft_mean_s"] <= f.detail["client_ttft_mean_s"] <= f.ttft_s["p99"]
     lag = f.detail["loop_lag_s"]  # its event loop's lag during the rounds, from /metrics
     assert 0 <= lag["mean"] <= lag["p99"] and lag["p90"] <= lag["p99"]
+    pauses = f.detail["server_gc_pauses"]  # its collector's pauses during the rounds (often none: frozen)
+    assert pauses["count"] >= 0 and pauses["total_s"] >= 0
 
 
 def test_a_scraped_histogram_gives_what_was_observed_between_scrapes_and_its_quantiles():

@@ -157,6 +157,30 @@ def test_models_health_and_metrics_routes(base_url, client):
         assert name in m
     # the event loop's lag is probed every 10 ms from the start: a running server has observations
     assert m["megactx_event_loop_lag_seconds_count"] >= 1 and m["megactx_event_loop_lag_seconds_sum"] >= 0
+    assert "megactx_gc_pause_seconds_count" in m  # the server process's collector pauses
+
+
+def test_gc_pauses_are_observed_outside_the_collector_and_a_gone_servers_watch_is_dropped():
+    import gc
+
+    from megactx.serve.metrics import ServerMetrics
+
+    def count(metrics) -> float:
+        return next(s.value for f in metrics.registry.collect() if f.name == "megactx_gc_pause_seconds"
+                    for s in f.samples if s.name.endswith("_count"))
+
+    first = ServerMetrics("m")
+    gc.collect()
+    assert first._gc_pauses and count(first) == 0  # noted by the callback, not yet observed
+    first.flush_gc_pauses()
+    assert not first._gc_pauses and count(first) >= 1
+    watching = len(gc.callbacks)
+    del first
+    gc.collect()
+    second = ServerMetrics("m")  # installs its own watch and drops the gone server's
+    assert len(gc.callbacks) == watching
+    gc.collect()
+    assert b"megactx_gc_pause_seconds_count" in second.render() and count(second) >= 1
 
 
 def test_completion_with_logprobs_equals_the_offline_engine(base_url, client, offline):

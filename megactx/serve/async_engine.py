@@ -539,6 +539,7 @@ class AsyncEngine:
         request's arrival and every event wait that long); then the next one."""
         now = self._loop.time()
         self.metrics.loop_lag.observe(max(0.0, now - due))
+        self.metrics.flush_gc_pauses()
         self._loop_probe = self._loop.call_at(now + LOOP_PROBE_S, self._probe_loop, now + LOOP_PROBE_S)
 
     def _fail_all(self, error: BaseException) -> None:

@@ -6,8 +6,9 @@ sets the engine gauges after each step, the event loop records request events.
 
 Gauges: running / waiting sequences, KV blocks used / free, prefix-cache hit rate.
 Counters: prompt and generation tokens, finished completions by finish reason, rejected requests by
-reason. Histograms: time to first token, inter-token latency, end-to-end request latency, and the
-event loop's lag (how late it runs a timer: a busy loop delays every request and event). The
+reason. Histograms: time to first token, inter-token latency, end-to-end request latency, the
+event loop's lag (how late it runs a timer: a busy loop delays every request and event) and the
+pauses of the process's cyclic garbage collector (everything in the process stands still). The
 inter-token latency gets a whole engine step's gaps in a few calls (`CountedHistogram`): a step at
 batch 64 would otherwise cost the event loop 64 locked observations.
 Speculative decoding (an engine that drafts, see `watch_spec_decode`): counters of drafts, draft
@@ -17,8 +18,10 @@ tokens and accepted tokens, accepted tokens per draft position, and the mean acc
 from __future__ import annotations
 
 import bisect
+import gc
 import math
 import time
+import weakref
 from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -41,6 +44,9 @@ E2E_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80
 # How late the event loop runs a timer. Its resolution is ~1 ms (epoll waits in whole milliseconds),
 # so an idle loop shows up to 1 ms.
 LOOP_LAG_BUCKETS_S = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 1.0)
+
+# A collection of the young generations takes microseconds; a full one walks every object not frozen.
+GC_PAUSE_BUCKETS_S = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -83,6 +89,11 @@ class ServerMetrics:
         self.loop_lag = histogram("megactx_event_loop_lag_seconds",
                                   "How late the server's event loop ran a timer due every 10 ms: what a request's "
                                   "arrival and each streamed event wait for (resolution ~1 ms)", LOOP_LAG_BUCKETS_S)
+        self.gc_pause = histogram("megactx_gc_pause_seconds",
+                                  "Pauses of the server process's cyclic garbage collector, through which its event "
+                                  "loop (and an engine thread) stands still", GC_PAUSE_BUCKETS_S)
+        self._gc_pauses: list[float] = []  # noted by the collector's callback, not yet in gc_pause
+        _watch_gc(self)
         self._finished = Counter("megactx_completions_finished",
                                  "Finished completions (a request has n) by finish reason",
                                  labels + ["finish_reason"], registry=self.registry)
@@ -111,9 +122,38 @@ class ServerMetrics:
         """Expose an engine's speculative-decoding counters (`LLM.stats.spec_decode`), read at each scrape."""
         self.registry.register(_SpecDecodeCollector(stats, self.model_name))
 
+    def flush_gc_pauses(self) -> None:
+        """Move the collector pauses noted since the last call into gc_pause. (Not from the
+        collector's callback itself: a histogram takes a lock, which the code a collection
+        interrupts may be holding.) The loop calls it with its lag probe, a scrape before rendering."""
+        pauses = self._gc_pauses
+        while pauses:
+            self.gc_pause.observe(pauses.pop())
+
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
+        self.flush_gc_pauses()
         return generate_latest(self.registry)
+
+
+def _watch_gc(metrics: ServerMetrics) -> None:
+    """Note every collection's pause in metrics._gc_pauses (a list.append, under the GIL: no lock).
+    The callback holds the metrics weakly and does nothing once they are gone; such callbacks are
+    removed here, when the next server's metrics install theirs."""
+    ref, started = weakref.ref(metrics), [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        owner = ref()
+        if owner is None:
+            return
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            owner._gc_pauses.append(time.perf_counter() - started[0])
+
+    on_gc.megactx_metrics = ref
+    gc.callbacks[:] = [cb for cb in gc.callbacks if getattr(cb, "megactx_metrics", lambda: True)() is not None]
+    gc.callbacks.append(on_gc)
 
 
 class CountedHistogram:
