@@ -293,6 +293,16 @@ def _matmul_tflops(clock: Clock, n: int, budget_s: float, min_reps: int, fp8: bo
 
 
 # ---------------------------------------------------------------------------------- machine
+def host_probe_ms(iterations: int = 200_000) -> float:
+    """Milliseconds of a fixed pure-Python loop on this thread, now: the host's speed at this moment.
+    On the lent H200 host it took either ~12.5 or ~21 ms (2026-12-03), each vCPU switching between
+    the two every 1-3 s; a host-bound run is as much slower in the slow state."""
+    start, acc = time.perf_counter(), 0
+    for i in range(iterations):
+        acc += i * i % 7
+    return (time.perf_counter() - start) * 1e3
+
+
 def machine_info(device: torch.device | str) -> dict[str, Any]:
     """Device name, memory, library versions and the date: what a reader needs to compare runs."""
     import triton

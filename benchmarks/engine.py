@@ -93,6 +93,7 @@ from benchmarks.common import (
     ceilings_markdown,
     fmt_num,
     fmt_time,
+    host_probe_ms,
     int_list,
     machine_info,
     md_table,
@@ -932,9 +933,16 @@ class EngineBench:
         if self.llm is None:  # the offline engine did not load: the offline table's figure, if any
             return run(_nothing)
         around: list[float] = []
-        figures = run(lambda: around.append(self._offline_reference()))
+        probes: list[float] = []  # the host's speed just before each reference set (host_probe_ms)
+
+        def between() -> None:
+            probes.append(host_probe_ms())
+            around.append(self._offline_reference())
+
+        figures = run(between)
         figures.detail["offline_tokens_per_s_around"] = around
         figures.detail["offline_tokens_per_s"] = statistics.fmean(around)
+        figures.detail["host_probe_ms_around"] = probes
         return figures
 
     def _offline_reference(self) -> float:
@@ -1002,6 +1010,12 @@ def _reference(results: dict[str, Any], figures: RunFigures) -> float | None:
     return offline.tokens_per_s if offline else None
 
 
+def _probe_note(figures: RunFigures) -> str:
+    """', a fixed Python loop took A - B ms beside them' from the host probes around a run ('' without)."""
+    probes = figures.detail.get("host_probe_ms_around")
+    return f": a fixed Python loop took {min(probes):.1f} - {max(probes):.1f} ms beside them" if probes else ""
+
+
 def _skip_reason(results: dict[str, Any], step: str) -> str | None:
     return next((x["reason"] for x in results.get("skipped", []) if x["step"] == step), None)
 
@@ -1047,7 +1061,7 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             note = "; ".join(filter(None, [
                 f"undecided: the offline runs around it gave {fmt_num(min(around))} - {fmt_num(max(around))} tokens/s, "
                 f"a spread of {spread:.0%} of their mean, more than the {MAX_SERVER_OVERHEAD:.0%} to be measured "
-                "(the host's speed drifted); run again", note]))
+                "(the host's speed drifted" + _probe_note(online) + "); run again", note]))
         rows.append(_target(t, f"{overhead:.1%} ({fmt_num(online.tokens_per_s)} online from {online.clients} "
                                f"clients vs {fmt_num(offline)} offline tokens/s at {online.batch})",
                             f"<= {MAX_SERVER_OVERHEAD:.0%}", passed, note))

@@ -362,6 +362,8 @@ def test_the_overhead_is_taken_against_the_offline_runs_around_the_online_run():
     _, overhead = evaluate_targets(results)
     assert overhead["passed"] is None and f"{1 - 5700 / 6400:.1%}" in overhead["figure"]
     assert "undecided" in overhead["note"] and "5,000 - 7,800" in overhead["note"] and "44%" in overhead["note"]
+    results[ONLINE_SATURATED]["detail"]["host_probe_ms_around"] = [12.4, 21.3, 12.6]  # the host's speed beside them
+    assert "a fixed Python loop took 12.4 - 21.3 ms" in evaluate_targets(results)[1]["note"]
 
 
 def test_the_offline_engine_runs_between_the_rounds_and_gives_the_reference(ckpt):
@@ -382,6 +384,7 @@ def test_the_offline_engine_runs_between_the_rounds_and_gives_the_reference(ckpt
     around = f.detail["offline_tokens_per_s_around"]
     assert len(around) == 3 and min(around) > 0 and f.detail["offline_tokens_per_s"] == pytest.approx(
         sum(around) / 3)  # before round 1, after round 1, after round 2
+    assert len(f.detail["host_probe_ms_around"]) == 3 and min(f.detail["host_probe_ms_around"]) > 0
     # the prompts added, in order: warm-up (2), then reference runs (2 prompts each: warm-up + 8 timed)
     # between the rounds of 3 and 2 closed-loop requests
     reference = [8] * 2 * 9
