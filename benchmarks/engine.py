@@ -1010,6 +1010,11 @@ def _reference(results: dict[str, Any], figures: RunFigures) -> float | None:
     return offline.tokens_per_s if offline else None
 
 
+def _overhead(figures: RunFigures, offline: float | None) -> float | None:
+    """An online run's overhead against its offline reference (`_reference`): 1 - online / offline."""
+    return 1 - figures.tokens_per_s / offline if offline else None
+
+
 def _probe_note(figures: RunFigures) -> str:
     """', a fixed Python loop took A - B ms beside them' from the host probes around a run ('' without)."""
     probes = figures.detail.get("host_probe_ms_around")
@@ -1048,11 +1053,10 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     online = RunFigures.from_dict(results[ONLINE_SATURATED]) if results.get(ONLINE_SATURATED) else None
     offline = online and _reference(results, online)
     closed = RunFigures.from_dict(results[ONLINE_PROCESS]) if results.get(ONLINE_PROCESS) else None
-    closed_offline = closed and _reference(results, closed)
-    note = (f"{closed.batch} closed-loop clients: {1 - closed.tokens_per_s / closed_offline:.1%}"
-            if closed and closed_offline else "")
+    closed_overhead = closed and _overhead(closed, _reference(results, closed))
+    note = f"{closed.batch} closed-loop clients: {closed_overhead:.1%}" if closed_overhead is not None else ""
     if online and offline:
-        overhead = 1 - online.tokens_per_s / offline
+        overhead = _overhead(online, offline)
         passed = overhead <= MAX_SERVER_OVERHEAD
         around = online.detail.get("offline_tokens_per_s_around") or [offline]
         spread = (max(around) - min(around)) / offline
@@ -1149,7 +1153,7 @@ def render_markdown(results: dict[str, Any], targets: list[dict[str, Any]]) -> s
         rows = []
         for label, f in runs:
             offline = _reference(results, f)
-            overhead = f"{1 - f.tokens_per_s / offline:.1%}" if offline else "–"
+            overhead = f"{_overhead(f, offline):.1%}" if offline else "–"
             around = f.detail.get("offline_tokens_per_s_around")
             split = [f.detail.get("client_ttft_mean_s"), f.detail.get("server_ttft_mean_s")]
             split = " / ".join("–" if t is None else fmt_time(t) for t in split) if f.engine == SERVE else "–"

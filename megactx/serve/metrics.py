@@ -93,7 +93,7 @@ class ServerMetrics:
                                   "Pauses of the server process's cyclic garbage collector, through which its event "
                                   "loop (and an engine thread) stands still", GC_PAUSE_BUCKETS_S)
         self._gc_pauses: list[float] = []  # noted by the collector's callback, not yet in gc_pause
-        _watch_gc(self)
+        _GcWatch.install(self)
         self._finished = Counter("megactx_completions_finished",
                                  "Finished completions (a request has n) by finish reason",
                                  labels + ["finish_reason"], registry=self.registry)
@@ -136,24 +136,28 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-def _watch_gc(metrics: ServerMetrics) -> None:
-    """Note every collection's pause in metrics._gc_pauses (a list.append, under the GIL: no lock).
-    The callback holds the metrics weakly and does nothing once they are gone; such callbacks are
-    removed here, when the next server's metrics install theirs."""
-    ref, started = weakref.ref(metrics), [0.0]
+class _GcWatch:
+    """A `gc.callbacks` entry that notes every collection's pause in its metrics' _gc_pauses (a
+    list.append, under the GIL: no lock). It holds the metrics weakly and does nothing once they are
+    gone; such watches are dropped when the next server's metrics install theirs (`install`)."""
 
-    def on_gc(phase: str, info: dict) -> None:
-        owner = ref()
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = weakref.ref(metrics)
+        self.started = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        owner = self.metrics()
         if owner is None:
             return
         if phase == "start":
-            started[0] = time.perf_counter()
+            self.started = time.perf_counter()
         else:
-            owner._gc_pauses.append(time.perf_counter() - started[0])
+            owner._gc_pauses.append(time.perf_counter() - self.started)
 
-    on_gc.megactx_metrics = ref
-    gc.callbacks[:] = [cb for cb in gc.callbacks if getattr(cb, "megactx_metrics", lambda: True)() is not None]
-    gc.callbacks.append(on_gc)
+    @classmethod
+    def install(cls, metrics: ServerMetrics) -> None:
+        gc.callbacks[:] = [cb for cb in gc.callbacks if not (isinstance(cb, cls) and cb.metrics() is None)]
+        gc.callbacks.append(cls(metrics))
 
 
 class CountedHistogram:
