@@ -42,6 +42,7 @@ from megactx.train.recipe import (
     loss_config,
     set_trainable,
     smoke_recipe,
+    stage_model,
     stage_model_config,
 )
 from megactx.train.trainer import (
@@ -641,6 +642,30 @@ def test_smoke_recipe_runs_every_stage_and_its_checkpoints_load(tmp_path, capsys
     capsys.readouterr()
     assert main(["train", "--smoke", "--out", str(out), "--no-progress"]) == 0  # all finished: nothing reruns
     assert capsys.readouterr().out.count("skipped") == len(names)
+
+    # more steps of one stage on a finished model (--init): it starts from that model's weights, notes
+    # them, and refuses to be resumed from other ones
+    more = tmp_path / "more"
+    assert main(["train", "--smoke", "--out", str(more), "--no-progress", "--stages", "extend",
+                 "--init", str(tmp_path / "model")]) == 0
+    noted = json.loads((more / "extend" / "init.json").read_text())
+    assert noted["init"] == str(tmp_path / "model") and len(noted["weights_sha256"]) == 64
+    extended, shipped = load_model(more / "extend" / "checkpoint").state_dict(), final.state_dict()
+    assert all(torch.equal(t, shipped[n]) for n, t in extended.items() if n.startswith("mtp."))  # frozen in extend
+    assert any(not torch.equal(t, shipped[n]) for n, t in extended.items() if not n.startswith("mtp."))
+    # ...and the MTP warm-up after it starts from the recipe's seeded MTP layer, as in a whole run
+    # (where no backbone stage trains that layer), not from the shipped model's trained one
+    seeded = {n: t for n, t in build_model(stage_model_config(recipe, 0), seed=recipe.seed).state_dict().items()
+              if n.startswith("mtp.")}
+    assert all(torch.equal(t, seeded[n]) for n, t in every.state_dict().items() if n.startswith("mtp."))
+    start = stage_model(recipe, stage_index("mtp_warmup"), more).state_dict()
+    assert all(torch.equal(start[n], t) for n, t in seeded.items())
+    assert any(not torch.equal(shipped[n], t) for n, t in seeded.items())
+    assert main(["train", "--smoke", "--out", str(more), "--no-progress", "--stages", "extend",
+                 "--max-steps", "1", "--stage-steps", "extend=3"]) == 0  # resumed as it began
+    assert main(["train", "--smoke", "--out", str(more), "--no-progress", "--stages", "extend",
+                 "--stage-steps", "extend=4", "--init", str(out / "sparse" / "checkpoint")]) == 2
+    assert "was started from" in capsys.readouterr().err
 
     # the held-out-loss ablations: warm-up and sparse stage with an indexer in every layer, and dense
     # (which has no warm-up: it starts from `dense`)

@@ -5,6 +5,7 @@
     megactx train --recipe tiny --out runs/tiny --stages sparse,extend --time-limit 25
     megactx train --recipe tiny --out runs/tiny --stages mtp_warmup,mtp --mtp-loss tv
     megactx train --recipe tiny --out runs/tiny --stages warmup,sparse --attention dsa   # an ablation
+    megactx train --recipe tiny --out runs/more --stages extend --init models/megactx-tiny  # more steps
     torchrun --nproc-per-node 2 -m megactx train --recipe tiny --out runs/tiny   # data parallel
 
 Every stage resumes its own checkpoint and starts from the previous stage's, so a run cut by
@@ -71,6 +72,10 @@ def add_train_parser(subparsers: Any) -> None:
                    help="IndexShare pattern from the warmup stage on, one letter a layer: F runs its indexer, S "
                         "reuses the top-k of the nearest F below (the model's index_topk_pattern; default: the "
                         "recipe's, e.g. FSSSSSSF for tiny); give the same one when resuming a run")
+    p.add_argument("--init", type=Path, default=None, metavar="MODEL_DIR",
+                   help="start the first of --stages from this model directory's weights instead of the previous "
+                        "stage's checkpoint, e.g. more extend steps on a shipped model: --stages extend --init "
+                        "models/megactx-tiny (noted in the stage directory's init.json)")
     p.add_argument("--parallel", choices=("auto", "fsdp", "ddp"), default=None, help="data-parallel wrapper")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--export", type=Path, default=None,
@@ -173,7 +178,7 @@ def run_train(args: argparse.Namespace) -> int:
             recipe.stages[index].train = dataclasses.replace(recipe.stages[index].train, seq_len=length)
             log(f"extend stage: context {length}")
         run_recipe(recipe, out, stages, args.data_dir, ctx, args.max_steps,
-                   None if args.time_limit is None else args.time_limit * 60, not args.no_progress, log)
+                   None if args.time_limit is None else args.time_limit * 60, not args.no_progress, log, args.init)
     except ValueError as e:
         print(f"megactx train: error: {e}", file=sys.stderr)
         return 2

@@ -36,6 +36,8 @@ from the previous stage's finished checkpoint, and resumes its own checkpoint wh
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import random
 import shutil
 import time
@@ -64,6 +66,7 @@ from megactx.train.trainer import (
 
 STAGE_KINDS = ("dense", "warmup", "sparse", "extend", "mtp_warmup", "mtp")
 MTP_KINDS = ("mtp_warmup", "mtp")
+INIT_FILE = "init.json"  # a stage started from given weights (run_stage's init) names them here
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -423,29 +426,70 @@ def stage_progress(stage_dir: Path) -> int:
     return torch.load(state, map_location="cpu", weights_only=False)["step"] if state.exists() else 0
 
 
-def stage_model(recipe: Recipe, index: int, out_dir: Path) -> Transformer:
+def weights_digest(model_dir: str | Path) -> str:
+    """sha256 over a model directory's *.safetensors files, in name order."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def stage_model(recipe: Recipe, index: int, out_dir: Path, init: Path | None = None) -> Transformer:
     """The model stage `index` starts from: fresh (seeded) for the first stage, else the previous
-    stage's finished checkpoint adapted to this stage's architecture."""
+    stage's finished checkpoint adapted to this stage's architecture; `init` (a model directory)
+    instead of either."""
     cfg = stage_model_config(recipe, index)
     prev = recipe.previous(index)
-    if prev is None:
+    if init is None and prev is None:
         return build_model(cfg, seed=recipe.seed)
-    prev_dir = out_dir / recipe.stage_name(prev)
-    prev_steps = recipe.stages[prev].train.steps
-    if stage_progress(prev_dir) < prev_steps:
-        raise ValueError(f"stage {recipe.stage_name(index)} starts from {prev_dir / CHECKPOINT}, which is not "
-                         f"finished ({stage_progress(prev_dir)} of {prev_steps} steps); run "
-                         f"{recipe.stage_name(prev)} first")
-    return adapt_model(load_model(prev_dir / CHECKPOINT, dtype=torch.float32), cfg)
+    if init is None:
+        prev_dir = out_dir / recipe.stage_name(prev)
+        prev_steps = recipe.stages[prev].train.steps
+        if stage_progress(prev_dir) < prev_steps:
+            raise ValueError(f"stage {recipe.stage_name(index)} starts from {prev_dir / CHECKPOINT}, which is not "
+                             f"finished ({stage_progress(prev_dir)} of {prev_steps} steps); run "
+                             f"{recipe.stage_name(prev)} first")
+        init = prev_dir / CHECKPOINT
+    model = adapt_model(load_model(init, dtype=torch.float32), cfg)
+    if recipe.stages[index].kind == "mtp_warmup":
+        seeded_mtp_layer(recipe, model)
+    return model
+
+
+def seeded_mtp_layer(recipe: Recipe, model: Transformer) -> None:
+    """Put the MTP layer of the recipe's seeded initial model into `model`: the MTP warm-up starts
+    from an untrained layer. In a whole run that is the layer `model` already holds (no backbone
+    stage trains it); a backbone started from a shipped model (--init) carries a trained one."""
+    fresh = build_model(stage_model_config(recipe, 0), seed=recipe.seed).state_dict()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith("mtp."):
+                p.copy_(fresh[name])
 
 
 def run_stage(recipe: Recipe, index: int, out_dir: str | Path, source: TokenSource, extra_files=(),
               ctx: DistContext | None = None, max_steps: int | None = None, time_limit_s: float | None = None,
-              progress: bool = True) -> FitResult:
-    """Train stage `index` of `recipe` in <out_dir>/<stage name>/ (resuming it if begun)."""
+              progress: bool = True, init: Path | None = None) -> FitResult:
+    """Train stage `index` of `recipe` in <out_dir>/<stage name>/ (resuming it if begun). init: a
+    model directory whose weights the stage starts from instead of the previous stage's (noted in
+    the stage directory's INIT_FILE; a resumed stage must name the same one)."""
     out_dir = Path(out_dir)
     stage = recipe.stages[index]
-    model = stage_model(recipe, index, out_dir)
+    stage_dir = out_dir / recipe.stage_name(index)
+    noted = json.loads((stage_dir / INIT_FILE).read_text())["init"] if (stage_dir / INIT_FILE).is_file() else None
+    if init is None and noted is not None:
+        init = Path(noted)  # a resumed stage starts as it began
+    elif init is not None and str(init) != noted:
+        if stage_progress(stage_dir):
+            raise ValueError(f"{stage_dir} was started from {noted or 'the previous stage'}, not {init}; resume "
+                             "it as it began, or point --out elsewhere")
+        if ctx is None or ctx.is_main:
+            stage_dir.mkdir(parents=True, exist_ok=True)
+            (stage_dir / INIT_FILE).write_text(json.dumps({"init": str(init), "weights_sha256": weights_digest(init)},
+                                                          indent=1) + "\n")
+    model = stage_model(recipe, index, out_dir, init)
     set_trainable(model, trained_kind(recipe, index))
     objective = Objective(model, loss_config(recipe, trained_kind(recipe, index)))
     trainer = Trainer(objective, source, stage.train, out_dir / recipe.stage_name(index), extra_files, ctx,
@@ -458,9 +502,11 @@ def run_stage(recipe: Recipe, index: int, out_dir: str | Path, source: TokenSour
 
 def run_recipe(recipe: Recipe, out_dir: str | Path, stages: list[str] | None = None, data_dir: str | Path | None = None,
                ctx: DistContext | None = None, max_steps: int | None = None, time_limit_s: float | None = None,
-               progress: bool = True, log=print) -> list[FitResult]:
+               progress: bool = True, log=print, init: str | Path | None = None) -> list[FitResult]:
     """Run `stages` (names or kinds; default all) in recipe order, skipping finished ones and
     stopping at the first that max_steps or time_limit_s (over the whole call) leaves unfinished.
+    init: a model directory the first of `stages` starts from instead of the previous stage's
+    checkpoint (a run continued elsewhere, or more steps of a stage from a shipped model).
     Returns the results of the stages that ran."""
     out_dir = Path(out_dir)
     ctx = ctx or init_distributed()
@@ -479,7 +525,7 @@ def run_recipe(recipe: Recipe, out_dir: str | Path, stages: list[str] | None = N
         if agree(left is not None and left <= 0):
             break
         result = run_stage(recipe, index, out_dir, stage_source(recipe, index, data), extra, ctx, max_steps, left,
-                           progress)
+                           progress, Path(init) if init is not None and index == chosen[0] else None)
         results.append(result)
         loss = f", loss {result.history[-1]['loss']:.4f}" if result.history else ""
         log(f"{name}: {result.step}/{steps} steps{loss}, checkpoint {result.checkpoint}")
