@@ -7,7 +7,7 @@ import torch
 
 from megactx import LLM, SamplingParams
 from megactx.cli import main
-from megactx.serve import CPU_MAX_MODEL_LEN
+from megactx.serve import CPU_MAX_MODEL_LEN, DEFAULT_GC_THRESHOLD
 from megactx.testing import make_random_checkpoint
 
 
@@ -44,8 +44,8 @@ def test_serve_defaults_to_the_shipped_model(tmp_path, monkeypatch):
     monkeypatch.setattr("megactx.models.SHIPPED_MODEL_DIR", shipped)
     served = {}
 
-    def build_app(llm, served_model_name, max_queued_requests, max_handovers_per_s):
-        served.update(llm=llm, name=served_model_name, handovers=max_handovers_per_s)
+    def build_app(llm, served_model_name, max_queued_requests, max_handovers_per_s, gc_threshold):
+        served.update(llm=llm, name=served_model_name, handovers=max_handovers_per_s, gc=gc_threshold)
         return "app"
 
     monkeypatch.setattr("megactx.serve.api.build_app", build_app)
@@ -57,14 +57,16 @@ def test_serve_defaults_to_the_shipped_model(tmp_path, monkeypatch):
     assert served["llm"].max_model_len == CPU_MAX_MODEL_LEN  # not the model's 65536 positions, on a CPU
     assert served["llm"].spec.config.num_speculative_tokens == 7  # the checkpoint has an MTP layer
     assert served["handovers"] == 2000.0  # the event budget's default
+    assert served["gc"] == DEFAULT_GC_THRESHOLD
     assert main(["serve", "--device", "cpu", "--max-num-seqs", "1", "--max-model-len", "128",
                  "--num-speculative-tokens", "0", "--max-handovers-per-s", "0", "--no-engine-process"]) == 0
     assert served["llm"].max_model_len == 128 and served["llm"].spec is None and served["handovers"] == 0
 
     class FakeEngineProcess:  # records what serve would spawn a process for
-        def __init__(self, llm_kwargs, log_level):
-            self.llm_kwargs = llm_kwargs
+        def __init__(self, llm_kwargs, log_level, gc_threshold):
+            self.llm_kwargs, self.gc_threshold = llm_kwargs, gc_threshold
 
     monkeypatch.setattr("megactx.serve.engine_process.EngineProcess", FakeEngineProcess)
-    assert main(["serve", "--device", "cpu", "--max-num-seqs", "1"]) == 0  # by default: the engine in its own process
-    assert isinstance(served["llm"], FakeEngineProcess) and served["llm"].llm_kwargs["max_num_seqs"] == 1
+    assert main(["serve", "--device", "cpu", "--max-num-seqs", "1", "--gc-threshold", "9000"]) == 0  # by default:
+    assert isinstance(served["llm"], FakeEngineProcess) and served["llm"].llm_kwargs["max_num_seqs"] == 1  # a process
+    assert served["llm"].gc_threshold == served["gc"] == 9000  # the engine process's collector too

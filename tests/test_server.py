@@ -183,6 +183,17 @@ def test_gc_pauses_are_observed_outside_the_collector_and_a_gone_servers_watch_i
     assert b"megactx_gc_pause_seconds_count" in second.render() and count(second) >= 1
 
 
+def test_a_server_sets_its_collectors_threshold_while_it_serves_and_restores_it(checkpoint, offline):
+    import gc
+
+    before = gc.get_threshold()
+    llm = LLM(offline.model, tokenizer=checkpoint, device="cpu", max_model_len=MAX_MODEL_LEN, num_blocks=NUM_BLOCKS)
+    with _serving(build_app(llm, served_model_name=MODEL, gc_threshold=12345)) as url:
+        assert httpx.get(f"{url}/health").status_code == 200
+        assert gc.get_threshold() == (12345, *before[1:]) and gc.get_freeze_count() > 0
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+
+
 def test_completion_with_logprobs_equals_the_offline_engine(base_url, client, offline):
     before = _metrics(base_url)
     want = _generate(offline, PROMPT, temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
@@ -736,13 +747,15 @@ def test_serve_flags_are_explained_and_bad_ones_refused(capsys, checkpoint, tmp_
     for flag in ("--model", "--served-model-name", "--host", "--port", "--max-model-len", "--max-num-seqs",
                  "--max-num-batched-tokens", "--gpu-memory-utilization", "--kv-cache-dtype", "--device", "--dtype",
                  "--max-queued-requests", "--max-handovers-per-s", "--num-speculative-tokens", "--async-scheduling",
-                 "--engine-process"):
+                 "--engine-process", "--gc-threshold"):
         assert flag in help_text
     assert cli_main(["serve"]) == 2 and "--model PATH is required" in capsys.readouterr().err
     assert cli_main(["serve", "--model", str(checkpoint), "--num-speculative-tokens", "-1"]) == 2
     assert "must be >= 0" in capsys.readouterr().err
     assert cli_main(["serve", "--model", str(checkpoint), "--max-handovers-per-s", "-5"]) == 2
     assert "--max-handovers-per-s must be >= 0" in capsys.readouterr().err
+    assert cli_main(["serve", "--model", str(checkpoint), "--gc-threshold", "-1"]) == 2
+    assert "--gc-threshold must be >= 0" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -47,7 +47,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from megactx.engine.llm import LLM
 from megactx.engine.outputs import Delta, TokenLogprobs
 from megactx.engine.sampling_params import SamplingParams
-from megactx.serve import DEFAULT_MAX_QUEUED_REQUESTS
+from megactx.serve import DEFAULT_MAX_QUEUED_REQUESTS, settle_heap
 from megactx.serve.async_engine import (
     DEFAULT_MAX_HANDOVERS_PER_S,
     AsyncEngine,
@@ -83,11 +83,13 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no pro
 
 
 def build_app(llm: LLM, *, served_model_name: str, max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
-              max_handovers_per_s: float = DEFAULT_MAX_HANDOVERS_PER_S) -> FastAPI:
+              max_handovers_per_s: float = DEFAULT_MAX_HANDOVERS_PER_S, gc_threshold: int = 0) -> FastAPI:
     """The FastAPI app serving `llm` under the model name `served_model_name`. The engine thread
     starts with the app's lifespan and stops after the server drained its requests.
     max_queued_requests: sequences admitted beyond the batch's max_num_seqs before a 503.
-    max_handovers_per_s: the streams' event budget, all together (AsyncEngine's; 0 = an event a step)."""
+    max_handovers_per_s: the streams' event budget, all together (AsyncEngine's; 0 = an event a step).
+    gc_threshold: the server process's young-generation collection threshold from startup on
+    (megactx.serve.settle_heap; 0 keeps Python's)."""
     metrics = ServerMetrics(served_model_name)
     if llm.stats.spec_decode is not None:
         metrics.watch_spec_decode(llm.stats.spec_decode)
@@ -98,14 +100,14 @@ def build_app(llm: LLM, *, served_model_name: str, max_queued_requests: int = DE
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
-        # What exists now (the model, the libraries, the app) lives as long as the server: take it
-        # out of the cyclic collector's sight. A full collection holds the GIL, so the engine stops
-        # while it walks every object of the process (250 ms for the tiny model on a CPU, in the
-        # middle of a stream); frozen, it walks only what requests allocated since.
-        gc.freeze()
+        # the model, the libraries, the app: a full collection holds the GIL, so an engine thread
+        # would stop while it walks every object of the process (250 ms for the tiny model on a CPU)
+        thresholds = gc.get_threshold()
+        settle_heap(gc_threshold)
         yield
         await engine.shutdown()
         gc.unfreeze()
+        gc.set_threshold(*thresholds)
 
     app = FastAPI(title="megactx", summary="OpenAI-compatible server for megactx models", lifespan=lifespan)
     app.state.engine = engine

@@ -24,13 +24,12 @@ against 47.6-54.3K with, decode steps 0.83-0.85 against 0.92-1.03 ms (host 0.54-
 The child is spawned (a fresh interpreter: CUDA cannot cross a fork), ignores SIGINT and SIGTERM
 (the server drains its requests on them, then stops the engine) and exits when its command pipe
 closes, so it never outlives the server. Once loaded, it takes what it holds out of the garbage
-collector's sight (`gc.freeze`), as the server process does.
+collector's sight (`settle_heap`), as the server process does.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import multiprocessing as mp
 import pickle
@@ -77,12 +76,13 @@ class EngineProcess:
     reason if it could not be. Attributes as the server reads them from an LLM: tokenizer,
     max_model_len, max_num_seqs, stats.spec_decode."""
 
-    def __init__(self, llm_kwargs: dict[str, Any], *, log_level: str = "INFO", start_timeout_s: float = 1800.0):
+    def __init__(self, llm_kwargs: dict[str, Any], *, log_level: str = "INFO", start_timeout_s: float = 1800.0,
+                 gc_threshold: int = 0):
         ctx = mp.get_context("spawn")
         commands_out, self._commands_in = ctx.Pipe(duplex=False)  # (read end, write end)
         self.outputs, outputs_in = ctx.Pipe(duplex=False)
-        self.process = ctx.Process(target=_engine_main, args=(llm_kwargs, commands_out, outputs_in, log_level),
-                                   name="megactx-engine", daemon=True)
+        self.process = ctx.Process(target=_engine_main, name="megactx-engine", daemon=True,
+                                   args=(llm_kwargs, commands_out, outputs_in, log_level, gc_threshold))
         self.process.start()
         commands_out.close()  # the child's ends: this process keeps only its own
         outputs_in.close()
@@ -124,7 +124,7 @@ class EngineProcess:
         return self.process.is_alive()
 
 
-def _engine_main(llm_kwargs: dict[str, Any], commands, outputs, log_level: str) -> None:
+def _engine_main(llm_kwargs: dict[str, Any], commands, outputs, log_level: str, gc_threshold: int = 0) -> None:
     """The child: load the engine, report ready (or why not), run the engine loop until told to stop
     or until the server's end of the command pipe closes."""
     from megactx.engine.llm import LLM
@@ -139,12 +139,9 @@ def _engine_main(llm_kwargs: dict[str, Any], commands, outputs, log_level: str) 
         outputs.send(("failed", f"{e}" if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"))
         return
     spec = llm.stats.spec_decode  # pickled with every iteration's results: the server's copy follows it
-    # What exists now (torch, the model, the engine) lives as long as the process: out of the cyclic
-    # collector's sight, as the server does with its own (build_app). Else a full collection walks
-    # it all, holding up the engine's loop mid-stream: ~0.3M objects, 180 ms on a CPU with the tiny
-    # model; frozen, it walks only what requests allocated since.
-    gc.collect()
-    gc.freeze()
+    from megactx.serve import settle_heap
+
+    settle_heap(gc_threshold)  # torch, the model, the engine: as the server does with its own (build_app)
     outputs.send(("ready", EngineInfo(llm.max_model_len, llm.max_num_seqs,
                                       spec.num_speculative_tokens if spec else 0, llm.memory_report())))
 
