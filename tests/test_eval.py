@@ -230,6 +230,47 @@ def test_eval_needles_refuses_contexts_beyond_the_model(checkpoint, capsys):
     assert "--contexts" in capsys.readouterr().err
 
 
+def test_needle_recall_reads_the_full_layers_selection_at_the_answer_positions(data, small, tmp_path, capsys):
+    """The teacher-forced verdict is the reference forward's argmax at the answer positions, and each
+    flag says whether the reference forward's top-k of that full layer, at that position, holds a
+    needle token equal to the one the position must produce."""
+    from megactx import load_model
+    from megactx.model.paged import kernel_ops
+    from megactx.testing import make_random_checkpoint
+    from megactx.train.needle_recall import answer_sources, recall_case
+
+    path = make_random_checkpoint(tmp_path / "ckpt", vocab_size=VOCAB, num_hidden_layers=3, first_k_dense_replace=1,
+                                  dtype=torch.float32, index_topk=16, index_topk_pattern="FSF")
+    data.save_tokenizer(path)
+    model = load_model(path)
+    generator = needle_generator(path, corpus=small)
+    for case in needle_cases(generator, STANDARD_TASKS["single"], 256, 3, seed=2):
+        got = recall_case(model, kernel_ops("torch"), case, 256)
+        caught = {}
+        hooks = [model.model.layers[i].register_forward_hook(
+            lambda m, a, out, i=i, caught=caught: caught.__setitem__(i, out[1])) for i in (0, 2)]
+        ids = torch.tensor([case.input_ids + case.answer_ids[:-1]])
+        with torch.no_grad():
+            logits = model(ids)[0, len(case.input_ids) - 1:]  # the reference forward (no cache)
+        for h in hooks:
+            h.remove()
+        assert got.correct == bool((logits.argmax(-1) == torch.tensor(case.answer_ids)).all())
+        sources = answer_sources(case)
+        assert any(len(s) for s in sources)  # the value's tokens are in the needle's line
+        for layer in (0, 2):
+            rows = caught[layer][0, len(case.input_ids) - 1:]
+            assert got.selected[layer] == [bool(set(s.tolist()) & set(r.tolist())) for s, r in zip(sources, rows)
+                                           if len(s)]
+    out = tmp_path / "recall"
+    assert main(["eval", "needle-recall", "--model", str(path), "--contexts", "256", "--cases", "2", "--device", "cpu",
+                 "--corpus", str(data.directory / "corpus"), "--no-progress", "--out", str(out)]) == 0
+    report = json.loads((out / "needle_recall.json").read_text())
+    assert len(report["cases"]) == 2 and set(report["cases"][0]["selected"]) == {"0", "2"}
+    assert "| 256 | 2 |" in (out / "needle_recall.md").read_text()
+    assert main(["eval", "needle-recall", "--model", str(path), "--contexts", "2m"]) == 2
+    assert "--contexts must be at most" in capsys.readouterr().err
+
+
 # -- GPU ------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu

@@ -2,6 +2,7 @@
 
     megactx eval bpb --model runs/dense --model runs/dsa --model runs/indexshare --contexts 4k --out runs/eval
     megactx eval needles --model runs/tiny/export --contexts 4k,16k,64k --cases 200 --seed 1 --out runs/eval
+    megactx eval needle-recall --model runs/tiny/export --contexts 64k --cases 100   # indexer or attention?
 
 Every evaluation takes --model, --contexts and --seed, so anyone can run it on fresh cases and on
 other checkpoints.
@@ -453,7 +454,8 @@ def parse_tasks(text: str) -> list[NeedleTask]:
 
 # ------------------------------------------------------------------------------ CLI
 def add_eval_parser(subparsers: Any) -> None:
-    """Register `eval` with its `bpb` and `needles` subcommands on an argparse subparsers object."""
+    """Register `eval` with its `bpb`, `needles` and `needle-recall` subcommands on an argparse
+    subparsers object."""
     p = subparsers.add_parser("eval", help="evaluate a checkpoint: held-out bits per byte, needle retrieval",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     kinds = p.add_subparsers(dest="evaluation", metavar="EVALUATION")
@@ -501,6 +503,10 @@ def add_eval_parser(subparsers: Any) -> None:
                         "dtype, as training scores them) (default: fp8 on CUDA, auto on a CPU)")
     common(n, None)
     n.set_defaults(func=run_needles)
+
+    from megactx.train.needle_recall import add_recall_parser
+
+    add_recall_parser(kinds)
 
 
 def engine_description(llm) -> str:

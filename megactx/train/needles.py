@@ -139,6 +139,7 @@ class Needle:
     depth: float  # requested fraction of the haystack's tokens before it
     offset: int = -1  # haystack tokens before it: the line boundary nearest depth * haystack_len
     position: int = -1  # index of its first token in input_ids
+    length: int = 0  # its tokens in input_ids
 
 
 @dataclass(frozen=True)
@@ -278,7 +279,8 @@ class NeedleGenerator:
             off = int(offsets[i])
             pieces += [hay[cursor:off], np.asarray(needle_ids[i], dtype=np.int64)]
             position += off - cursor
-            placed.append(Needle(needles[i].name, needles[i].text, needles[i].role, needles[i].depth, off, position))
+            placed.append(Needle(needles[i].name, needles[i].text, needles[i].role, needles[i].depth, off, position,
+                                 len(needle_ids[i])))
             position += len(needle_ids[i])
             cursor = off
         pieces += [hay[cursor:], np.asarray(suffix, dtype=np.int64)]
