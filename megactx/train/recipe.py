@@ -740,7 +740,8 @@ def tiny_recipe() -> Recipe:
     needle loss stayed at 0.23-0.29 nats/token over the 150 steps, and the same 200 cases at 64K
     (haystacks from the training corpus's held-out split) went from 87.5% to 88.5% (11 gained, 9
     lost). Not shipped. The wrong answers are near misses, the first digits right and a later one
-    wrong (153478 -> 153475). Teacher-forced over 100 of those cases, layer 7's top-k (the layer that
+    wrong (153478 -> 153475). Teacher-forced over every other of those cases (the method of `megactx
+    eval needle-recall`, run ad hoc before that command existed), layer 7's top-k (the layer that
     retrieves) held, at every answer position, the needle token that position must copy in 98% of
     the right answers but in 38% of the wrong ones (89% of their positions): most misses are layer
     7's indexer dropping one token of the needle at one position (its distillation KL stayed near
