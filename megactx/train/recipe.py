@@ -30,7 +30,10 @@ the recipe's `mtp_share`, so the checkpoint drafts at inference exactly as it wa
 
 Each stage lives in `<out>/<stage>/` (checkpoint, metrics.jsonl, loss.png; the MTP stages' names
 carry their loss and sharing, e.g. `mtp-tv-share`, so ablations share the backbone stages), starts
-from the previous stage's finished checkpoint, and resumes its own checkpoint when one exists.
+from the previous stage's finished checkpoint, and resumes its own checkpoint when one exists. A
+stage may start from a model directory instead (`megactx train --init`, e.g. more steps on a shipped
+model); its init.json names that model and the sha256 of its weights. The MTP warm-up always starts
+from the recipe's seeded, untrained MTP layer.
 """
 
 from __future__ import annotations
