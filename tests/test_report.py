@@ -52,8 +52,11 @@ def test_report_of_a_partial_run_says_what_is_missing(tmp_path):
     (run / "bench" / "spec-x.json").write_text(json.dumps(_spec([1.3, 1.4, 2.3, 2.6])))
     (run / "bench" / "spec-x.md").write_text("# spec\n")
     (stage / "init.json").write_text(json.dumps({"init": "models/megactx-tiny", "weights_sha256": "ab" * 32}))
+    (run / "eval" / "needle-recall").mkdir(parents=True)
+    (run / "eval" / "needle-recall" / "needle_recall.md").write_text("# Needle recall of the indexers: m\n\nx\n")
     path = write_report(run, tmp_path / "docs")
     text = path.read_text()
+    assert "#### Needle recall of the indexers: m" in text  # under the needle section
     assert "Stage `dense` started from the weights of `models/megactx-tiny` (sha256 `abababababababab`)" in text
     # 10 steps of 32,768 tokens at 32,768 tokens/s: 10 s
     assert "| dense | 10 | 32,768 | 32,768 | 0.2 | 3.000 | 2.000 | – | 1.000 |" in text

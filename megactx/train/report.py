@@ -4,7 +4,8 @@ its figures, from the run directory that `scripts/train-megactx-tiny.sh` and
 
 It reads, and never recomputes: the exported model's config and weights (parameter count), the
 data manifest, every stage's metrics.jsonl and loss.png, logs/train.log's time stamps, and the
-evaluations' own reports (eval/bpb, eval/needles, eval/indexshare-search, bench/spec-*.json).
+evaluations' own reports (eval/bpb, eval/needles, eval/needle-recall, eval/indexshare-search,
+bench/spec-*.json).
 What a run lacks is said in the report, not skipped silently. Writes OUT/megactx-tiny.md and
 OUT/megactx-tiny/*.png.
 
@@ -216,6 +217,10 @@ def write_report(run: Path, out: Path, name: str = "megactx-tiny") -> Path:
     needles = run / "eval" / "needles" / "needles.md"
     md += ([_md_section(needles.read_text()), "", figure(needles.with_suffix(".png"), "needles.png") or "", ""]
            if needles.is_file() else ["Not run.", ""])
+    recall = run / "eval" / "needle-recall" / "needle_recall.md"
+    # why the missed ones were missed: the indexer's selection or the attention
+    md += ([_md_section(recall.read_text(), shift=3), ""] if recall.is_file()
+           else ["Needle recall of the indexers (`megactx eval needle-recall`): not run.", ""])
 
     md += ["## IndexShare search", ""]
     search = run / "eval" / "indexshare-search" / "indexshare_search.md"
