@@ -740,15 +740,16 @@ def tiny_recipe() -> Recipe:
 
     More extend steps do not bring the 64K needles to 95% (2026-12-03, 5 H200-minutes: `megactx
     train --recipe tiny --stages extend --init models/megactx-tiny --stage-steps extend=150`): the
-    needle loss stayed at 0.23-0.29 nats/token over the 150 steps, and the same 200 cases at 64K
-    (haystacks from the training corpus's held-out split) went from 87.5% to 88.5% (11 gained, 9
-    lost). Not shipped. The wrong answers are near misses, the first digits right and a later one
-    wrong (153478 -> 153475). Teacher-forced over every other of those cases (the method of `megactx
-    eval needle-recall`, run ad hoc before that command existed), layer 7's top-k (the layer that
-    retrieves) held, at every answer position, the needle token that position must copy in 98% of
-    the right answers but in 38% of the wrong ones (89% of their positions): most misses are layer
-    7's indexer dropping one token of the needle at one position (its distillation KL stayed near
-    0.97 at 64K), the rest the attention failing with the token selected.
+    needle loss stayed at 0.23-0.29 nats/token after the first ten steps (one window of ten at
+    0.41), and the same 200 cases at 64K (haystacks from the training corpus's held-out split) went
+    from 87.5% to 88.5% (11 gained, 9 lost). Not shipped. The wrong answers are near misses, the
+    first digits right and a later one wrong (153478 -> 153475). Teacher-forced over every other of
+    those cases (the method of `megactx eval needle-recall`, run ad hoc before that command
+    existed), layer 7's top-k (the layer that retrieves) held, at every answer position, the needle
+    token that position must copy in 98% of the right answers but in 38% of the wrong ones (89% of
+    their positions): most misses are layer 7's indexer dropping one token of the needle at one
+    position (the indexers' distillation KL only went from 1.15 to 0.97), the rest the attention failing with the
+    token selected.
 
     Tokens: dense 3000 × 16 × 2048 ≈ 98M (a quarter code rows, a quarter copy rows: ~9 passes over
     the corpus; ~96K needle tasks),
