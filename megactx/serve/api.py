@@ -47,7 +47,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from megactx.engine.llm import LLM
 from megactx.engine.outputs import Delta, TokenLogprobs
 from megactx.engine.sampling_params import SamplingParams
-from megactx.serve import DEFAULT_MAX_QUEUED_REQUESTS, settle_heap
+from megactx.serve import DEFAULT_GC_THRESHOLD, DEFAULT_MAX_QUEUED_REQUESTS, settle_heap
 from megactx.serve.async_engine import (
     DEFAULT_MAX_HANDOVERS_PER_S,
     AsyncEngine,
@@ -83,7 +83,8 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no pro
 
 
 def build_app(llm: LLM, *, served_model_name: str, max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
-              max_handovers_per_s: float = DEFAULT_MAX_HANDOVERS_PER_S, gc_threshold: int = 0) -> FastAPI:
+              max_handovers_per_s: float = DEFAULT_MAX_HANDOVERS_PER_S,
+              gc_threshold: int = DEFAULT_GC_THRESHOLD) -> FastAPI:
     """The FastAPI app serving `llm` under the model name `served_model_name`. The engine thread
     starts with the app's lifespan and stops after the server drained its requests.
     max_queued_requests: sequences admitted beyond the batch's max_num_seqs before a 503.

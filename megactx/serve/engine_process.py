@@ -41,6 +41,7 @@ from typing import Any
 
 from megactx.engine.spec_decode import SpecDecodeStats
 from megactx.engine.tokenizer import Tokenizer
+from megactx.serve import DEFAULT_GC_THRESHOLD, settle_heap
 
 log = logging.getLogger("megactx.serve")
 
@@ -77,7 +78,7 @@ class EngineProcess:
     max_model_len, max_num_seqs, stats.spec_decode."""
 
     def __init__(self, llm_kwargs: dict[str, Any], *, log_level: str = "INFO", start_timeout_s: float = 1800.0,
-                 gc_threshold: int = 0):
+                 gc_threshold: int = DEFAULT_GC_THRESHOLD):
         ctx = mp.get_context("spawn")
         commands_out, self._commands_in = ctx.Pipe(duplex=False)  # (read end, write end)
         self.outputs, outputs_in = ctx.Pipe(duplex=False)
@@ -124,7 +125,7 @@ class EngineProcess:
         return self.process.is_alive()
 
 
-def _engine_main(llm_kwargs: dict[str, Any], commands, outputs, log_level: str, gc_threshold: int = 0) -> None:
+def _engine_main(llm_kwargs: dict[str, Any], commands, outputs, log_level: str, gc_threshold: int) -> None:
     """The child: load the engine, report ready (or why not), run the engine loop until told to stop
     or until the server's end of the command pipe closes."""
     from megactx.engine.llm import LLM
@@ -139,8 +140,6 @@ def _engine_main(llm_kwargs: dict[str, Any], commands, outputs, log_level: str, 
         outputs.send(("failed", f"{e}" if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"))
         return
     spec = llm.stats.spec_decode  # pickled with every iteration's results: the server's copy follows it
-    from megactx.serve import settle_heap
-
     settle_heap(gc_threshold)  # torch, the model, the engine: as the server does with its own (build_app)
     outputs.send(("ready", EngineInfo(llm.max_model_len, llm.max_num_seqs,
                                       spec.num_speculative_tokens if spec else 0, llm.memory_report())))

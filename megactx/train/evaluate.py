@@ -550,8 +550,21 @@ def run_bpb(args: argparse.Namespace) -> int:
     return 0
 
 
+def model_contexts(model_dir: Path, text: str | None) -> list[int]:
+    """--contexts of a needle evaluation (default: CONTEXT_LADDER up to the model's context), or a
+    ValueError if one is longer than the model's context."""
+    from megactx import ModelConfig
+
+    limit = ModelConfig.from_pretrained(model_dir).max_position_embeddings
+    contexts = parse_contexts(text) if text else [c for c in CONTEXT_LADDER if c <= limit]
+    if not contexts or max(contexts) > limit:
+        raise ValueError(f"--contexts must be at most the model's context of {limit} tokens, got "
+                         f"{text or 'none below it'}")
+    return contexts
+
+
 def run_needles(args: argparse.Namespace) -> int:
-    from megactx import LLM, ModelConfig
+    from megactx import LLM
     from megactx.train.corpus import Corpus
     from megactx.train.data import needle_generator
 
@@ -559,13 +572,7 @@ def run_needles(args: argparse.Namespace) -> int:
         tasks = parse_tasks(args.tasks)
         if not 0.0 <= args.threshold <= 1.0:
             raise ValueError(f"--threshold must be an accuracy in [0, 1], got {args.threshold}")
-        cfg = ModelConfig.from_pretrained(_checkpoint_dir(args.model))
-        limit = cfg.max_position_embeddings
-        contexts = (parse_contexts(args.contexts) if args.contexts
-                    else [c for c in CONTEXT_LADDER if c <= limit])
-        if not contexts or max(contexts) > limit:
-            raise ValueError(f"--contexts must be at most the model's context of {limit} tokens, got "
-                             f"{args.contexts or 'none below it'}")
+        contexts = model_contexts(_checkpoint_dir(args.model), args.contexts)
         if not (Path(args.model) / "tokenizer.json").is_file():
             raise ValueError(f"{args.model} has no tokenizer.json; needle cases are made with the model's tokenizer")
         corpus = held_out_corpus(Corpus.from_directory(args.corpus) if args.corpus else None)

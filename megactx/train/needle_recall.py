@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from megactx.analysis.flops import context_label
-from megactx.train.needles import NeedleCase, NeedleTask
+from megactx.train.needles import Needle, NeedleCase, NeedleTask
 
 
 @dataclass
@@ -41,10 +41,14 @@ class RecallCase:
         return all(self.selected[layer])
 
 
+def asked_needle(case: NeedleCase) -> Needle:
+    return next(n for n in case.needles if n.role == "asked")
+
+
 def answer_sources(case: NeedleCase) -> list[torch.Tensor]:
     """Per answer position but the last (the end token): the prompt positions, within the asked
     needle's line, holding the token that position must produce (empty where it holds none)."""
-    asked = next(n for n in case.needles if n.role == "asked")
+    asked = asked_needle(case)
     line = torch.arange(asked.position, asked.position + asked.length)
     prompt = torch.tensor(case.input_ids)
     return [line[prompt[line] == token] for token in case.answer_ids[:-1]]
@@ -73,8 +77,7 @@ def recall_case(model, ops, case: NeedleCase, context: int) -> RecallCase:
     for layer in full:
         rows = caught[layer].reshape(-1, caught[layer].shape[-1])[first:].cpu()  # [answer, K] slots (= positions)
         selected[layer] = [bool(torch.isin(src, row).any()) for src, row in zip(sources, rows) if len(src)]
-    asked = next(n for n in case.needles if n.role == "asked")
-    return RecallCase(context, asked.depth, correct, selected)
+    return RecallCase(context, asked_needle(case).depth, correct, selected)
 
 
 def evaluate_recall(model, ops, generator, task: NeedleTask, contexts: Sequence[int], num_cases: int, seed: int,
@@ -119,21 +122,18 @@ def run_needle_recall(args: argparse.Namespace) -> int:
     from megactx.model.paged import kernel_ops
     from megactx.train.corpus import Corpus
     from megactx.train.data import needle_generator
-    from megactx.train.evaluate import _checkpoint_dir, _fail, held_out_corpus, parse_contexts, parse_tasks
+    from megactx.train.evaluate import _checkpoint_dir, _fail, held_out_corpus, model_contexts, parse_tasks
 
     try:
         model_dir = _checkpoint_dir(args.model)
         [task] = parse_tasks(args.task)
-        contexts = parse_contexts(args.contexts)
+        contexts = model_contexts(model_dir, args.contexts)
         if args.cases < 1:
             raise ValueError(f"--cases must be at least 1, got {args.cases}")
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         backend = "triton" if torch.device(device).type == "cuda" else "torch"
         model = load_model(model_dir, device=device, backend=backend,
                            dtype=torch.bfloat16 if backend == "triton" else torch.float32)
-        if max(contexts) > model.cfg.max_position_embeddings:
-            raise ValueError(f"--contexts must be at most the model's context of {model.cfg.max_position_embeddings} "
-                             f"tokens, got {args.contexts}")
         index_dtype = args.index_cache_dtype or ("fp8" if backend == "triton" else "auto")
         model.set_backend(backend, "auto", index_dtype)
         corpus = held_out_corpus(Corpus.from_directory(args.corpus) if args.corpus else None)
