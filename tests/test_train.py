@@ -296,6 +296,50 @@ def test_each_full_indexer_learns_the_mean_attention_of_the_layers_it_serves(att
     assert metrics["indexer_kl"].item() == pytest.approx(torch.stack(expected).mean().item(), rel=1e-4)
 
 
+def test_kl_candidates_widen_the_indexer_kl_but_not_the_attention():
+    """kl_candidates C > K: each full layer's KL spans the top-C keys by its indexer's score, against
+    the attention its served layers would have there; the layers still attend to the top-K, so the
+    model's outputs do not move, and a key ranked just outside the top-K gets an indexer gradient."""
+    from megactx.model.attention import causal_mask, select_topk
+
+    model = tie_free_model(micro_config())
+    cfg, C = model.cfg, 24
+    ids = token_ids(2, 40)  # top-k 16, 24 candidates of up to 40 keys
+    seen = {}
+    hooks = [layer.self_attn.register_forward_hook(lambda m, args, out, i=i: seen.__setitem__(i, args))
+             for i, layer in enumerate(model.model.layers)]
+    with torch.no_grad():
+        model(ids)
+    for h in hooks:
+        h.remove()
+
+    expected = []
+    for full in cfg.full_layers:
+        x, cos, sin, positions = seen[full][:4]
+        attn = model.model.layers[full].self_attn
+        with torch.no_grad():
+            q_resid, _, _ = attn.project_q(x, cos, sin)
+            q, w = attn.indexer.queries(x, q_resid, cos, sin)
+            scores = attn.indexer.scores(q, w, attn.indexer.keys(x, cos, sin))
+            wide = select_topk(scores.masked_fill(~causal_mask(positions, 40), float("-inf")), C)  # [B, S, C]
+            served = [i for i in range(cfg.num_hidden_layers) if cfg.topk_source(i) == full]
+            probs = [_reference_attention(model.model.layers[i].self_attn, *seen[i][:4], wide) for i in served]
+        expected.append(multi_layer_distillation_loss(probs, scores.gather(-1, wide.clamp(min=0)), wide >= 0))
+
+    outs = {}
+    for candidates in (0, C):
+        objective = Objective(model, LossConfig(lm=True, attention="sparse", indexers="backbone", chunk_bytes=8_000,
+                                                kl_candidates=candidates))
+        model.zero_grad()
+        loss, outs[candidates] = objective(ids)
+        loss.backward()
+        outs[candidates]["grad"] = model.model.layers[0].self_attn.indexer.wk.weight.grad.clone()
+    assert outs[C]["indexer_kl"].item() == pytest.approx(torch.stack(expected).mean().item(), rel=1e-4)
+    assert outs[C]["lm"].item() == pytest.approx(outs[0]["lm"].item(), rel=1e-6)
+    assert outs[C]["indexer_kl"].item() != pytest.approx(outs[0]["indexer_kl"].item(), rel=1e-3)
+    assert not torch.allclose(outs[C]["grad"], outs[0]["grad"])
+
+
 def test_mtp_training_steps_are_the_inference_drafts_under_indexshare_and_kvshare():
     """Teacher-forced on the tokens `draft` itself chose, training step j at the last context row
     gives the logits that `mtp.draft` (the inference semantics) gives for draft j: same top-k
@@ -778,3 +822,7 @@ def test_train_cli_overrides_reach_the_recipe():
     recipe = build_recipe(parse(["train", "--recipe", "tiny", "--select-fp8"]))
     assert recipe.select_fp8 and all(loss_config(recipe, kind).select_fp8 for kind in ("sparse", "extend", "mtp"))
     assert not loss_config(tiny_recipe(), "sparse").select_fp8
+    recipe = build_recipe(parse(["train", "--recipe", "tiny", "--kl-candidates", "1024"]))
+    assert all(loss_config(recipe, kind).kl_candidates == 1024 for kind in ("sparse", "extend", "mtp"))
+    with pytest.raises(ValueError, match="--kl-candidates"):
+        build_recipe(parse(["train", "--smoke", "--kl-candidates", "-1"]))

@@ -58,6 +58,11 @@ def add_train_parser(subparsers: Any) -> None:
     p.add_argument("--select-fp8", action="store_true",
                    help="sparse stages select each query's keys from FP8-simulated indexer scores, as the serving "
                         "engine's FP8 indexer cache does (the indexer KL still trains the exact scores)")
+    p.add_argument("--kl-candidates", type=int, default=None, metavar="N",
+                   help="sparse stages train each full layer's indexer by a KL over each query's top-N keys by "
+                        "indexer score, where N is more than the top-k the layers attend to (their attention "
+                        "scored over those N for the target only), so a key ranked just outside the selection "
+                        "still gets a gradient (default: 0, the top-k only)")
     p.add_argument("--copy-forms", default=None,
                    help="comma-separated forms the copy rows cycle through, of half (the row's first half "
                         "repeated) and window (a window repeated from a start drawn per row) (default: "
@@ -119,6 +124,10 @@ def build_recipe(args: argparse.Namespace):
         changes["select_fp8"] = True
     if args.seed is not None:
         changes["seed"] = args.seed
+    if args.kl_candidates is not None:
+        if args.kl_candidates < 0:
+            raise ValueError(f"--kl-candidates must be >= 0 keys, got {args.kl_candidates}")
+        changes["kl_candidates"] = args.kl_candidates
     model: dict[str, Any] = {}
     if args.topk is not None:
         if args.topk < 1:

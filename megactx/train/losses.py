@@ -6,7 +6,11 @@ Formulas (../shared/reference/FACTS.md):
   key, p_t = the layer's attention of query t summed over heads and L1-normalised;
 - multi-layer distillation (IndexCache, sparse stage): the indexer of full layer ℓ, serving layers
   ℓ..ℓ+m, is trained with Σ_j 1/(m+1) mean_t KL(p_t^(ℓ+j) ‖ softmax(I_t^(ℓ))), over the selected
-  keys only; its gradient is that of KL(mean_j p^(ℓ+j) ‖ softmax(I)). The indexer's inputs are
+  keys only; its gradient is that of KL(mean_j p^(ℓ+j) ‖ softmax(I)). With `kl_candidates` C > K,
+  p and I span each query's top-C keys by indexer score instead (p: the layer's attention as it
+  would be over those C; the layer itself still attends to the top-K), so a key the indexer ranks
+  just outside its selection, which the attention would have weighed, still gets a gradient.
+  The indexer's inputs are
   detached, so these losses train the indexer alone, and the LM loss never reaches it (top-k is
   not differentiable);
 - MTP: cross-entropy of each of γ draft steps, and the end-to-end TV loss (Eq. 13)
@@ -170,7 +174,8 @@ class _Group:
     w: torch.Tensor  # [B, S, HI] fp32 head weights
     k: torch.Tensor  # [B, S, DI] indexer keys
     topk: torch.Tensor  # [B, S, K] the selection (width 0: dense, every causal key)
-    target: AttentionTarget
+    candidates: torch.Tensor  # [B, S, C] the keys the KL spans: the selection, then the indexer's next-best
+    target: AttentionTarget  # over the candidates (over every causal key when dense)
 
 
 class TrainingAttention:
@@ -183,7 +188,8 @@ class TrainingAttention:
     reused the layer's selection (its shared layers; MTP steps ≥ 2 under KVShare). chunk_bytes:
     transient memory of one chunk. select_fp8: select the top-k from FP8-simulated indexer scores
     (`Indexer.scores(fp8=True)`: what the serving engine's FP8 indexer cache computes); the KL still
-    trains the exact scores, which FP8 only rounds.
+    trains the exact scores, which FP8 only rounds. kl_candidates: C > K widens a sparse group's KL
+    to each query's top-C keys by indexer score (module docstring); the layers attend to the top-K.
 
     Rows are token indices: key row s is visible to query row t when s <= t, whatever the rope
     positions (MTP steps ≥ 2 rope at t + j − 1). A dense layer returns a top-k of width 0 so that
@@ -191,7 +197,7 @@ class TrainingAttention:
     """
 
     def __init__(self, model: Transformer, dense_layers: set[int], trained_indexers: set[int],
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, select_fp8: bool = False):
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, select_fp8: bool = False, kl_candidates: int = 0):
         self.layer_of = {id(attn): i for i, attn in enumerate(model.attention_modules())}
         for i in trained_indexers:
             if model.attention_modules()[i].indexer is None:
@@ -199,6 +205,7 @@ class TrainingAttention:
         self.dense_layers, self.trained_indexers = set(dense_layers), set(trained_indexers)
         self.chunk_bytes = chunk_bytes
         self.select_fp8 = select_fp8
+        self.kl_candidates = kl_candidates
         self._open: _Group | None = None
         self.indexer_losses: list[torch.Tensor] = []
 
@@ -273,23 +280,26 @@ class TrainingAttention:
             # detached inputs: the indexer learns from its KL only, and never moves the model
             q, w = indexer.queries(x.detach(), q_resid.detach(), cos, sin)  # [B, S, HI, DI], [B, S, HI]
             k = indexer.keys(x.detach(), cos, sin)  # [B, S, DI]
+        learns = trained and torch.is_grad_enabled()
         if dense:
-            topk = torch.empty(B, S, 0, dtype=torch.long, device=x.device)
+            topk = candidates = torch.empty(B, S, 0, dtype=torch.long, device=x.device)
         else:
-            topk = self._select(indexer, q, w, k)
+            width = min(indexer.topk, S)
+            candidates = self._select(indexer, q, w, k, max(width, min(self.kl_candidates, S)) if learns else width)
+            topk = candidates[..., :width]  # the sorted selection's first K columns are its top-K
         group = None
-        if trained and torch.is_grad_enabled():
-            width = S if dense else topk.shape[-1]
-            group = _Group(layer, indexer, q, w, k, topk, AttentionTarget((B, S, width), x.device))
+        if learns:
+            target = AttentionTarget((B, S, S if dense else candidates.shape[-1]), x.device)
+            group = _Group(layer, indexer, q, w, k, topk, candidates, target)
             self._open = group
         return topk, group
 
     @torch.no_grad()
-    def _select(self, indexer: nn.Module, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """Top-k of the indexer scores over the causal keys, chunked over query rows.
-        -> [B, S, min(K, S)] int64, -1 = no key (rows with fewer than K causal keys)."""
+    def _select(self, indexer: nn.Module, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor,
+                width: int) -> torch.Tensor:
+        """The top-`width` (<= S) of the indexer scores over the causal keys, best first, chunked over
+        query rows. -> [B, S, width] int64, -1 = no key (rows with fewer than `width` causal keys)."""
         B, S, HI, _ = q.shape
-        width = min(indexer.topk, S)
         rows = _rows_per_chunk(S, B * HI * S * 4 * 2, self.chunk_bytes)
         out = []
         for r0 in range(0, S, rows):
@@ -307,12 +317,12 @@ class TrainingAttention:
             return
         B, S, HI, DI = group.q.shape
         dense = group.topk.shape[-1] == 0
-        width = S if dense else group.topk.shape[-1]
+        width = S if dense else group.candidates.shape[-1]
         rows = _rows_per_chunk(S, B * width * (HI + DI + 4) * 4, self.chunk_bytes)
         cross = torch.zeros((), device=group.q.device)
         for r0 in range(0, S, rows):
             r1 = min(S, r0 + rows)
-            idx = None if dense else group.topk[:, r0:r1]
+            idx = None if dense else group.candidates[:, r0:r1]
             cross = cross + checkpoint(self._indexer_cross, group, r0, r1, group.q[:, r0:r1], group.w[:, r0:r1],
                                        group.k, idx, use_reentrant=False)
         tokens = B * S * group.target.layers
@@ -346,18 +356,21 @@ class TrainingAttention:
     def _chunked(self, attn: MLA, q_nope, q_pe, c, k_pe, topk: torch.Tensor | None,
                  group: _Group | None) -> torch.Tensor:
         """Absorbed MLA over query chunks, each recomputed in the backward. topk: [B, S, K] (sparse)
-        or None (dense, keys 0..t). Adds each chunk's head-mean attention to `group`'s target."""
+        or None (dense, keys 0..t). Adds each chunk's head-mean attention over `group`'s candidates
+        to its target."""
         B, S, H, _ = q_nope.shape
-        width = S if topk is None else topk.shape[-1]
+        want_p = group is not None
+        more = None if topk is None or not want_p else group.candidates[..., topk.shape[-1]:]  # [B, S, C - K]
+        width = S if topk is None else topk.shape[-1] + (0 if more is None else more.shape[-1])
         latent = attn.r + attn.dr
         rows = _rows_per_chunk(S, B * width * (H * 4 * 3 + (0 if topk is None else latent * 4 * 2)),
                                self.chunk_bytes)
-        want_p = group is not None
         outs = []
         for r0 in range(0, S, rows):
             r1 = min(S, r0 + rows)
             idx = None if topk is None else topk[:, r0:r1]
-            args = (attn, r0, r1, q_nope[:, r0:r1], q_pe[:, r0:r1], c, k_pe, idx, want_p)
+            extra = None if more is None or not more.shape[-1] else more[:, r0:r1]
+            args = (attn, r0, r1, q_nope[:, r0:r1], q_pe[:, r0:r1], c, k_pe, idx, want_p, extra)
             if torch.is_grad_enabled():
                 out, p = checkpoint(self._attend_chunk, *args, use_reentrant=False)
             else:
@@ -368,25 +381,37 @@ class TrainingAttention:
         return torch.cat(outs, dim=1)
 
     @staticmethod
-    def _attend_chunk(attn: MLA, r0: int, r1: int, q_nope, q_pe, c, k_pe, idx, want_p: bool):
+    def _attend_chunk(attn: MLA, r0: int, r1: int, q_nope, q_pe, c, k_pe, idx, want_p: bool, extra=None):
         """Rows r0..r1-1. q_nope: [B, Q, H, dn], q_pe: [B, Q, H, dr], c: [B, S, r], k_pe: [B, S, dr],
-        idx: [B, Q, K] key rows (-1 = none) or None (dense over keys 0..r1-1).
-        -> out [B, Q, H * dv], p [B, Q, K or r1] fp32 head-mean probabilities (detached) or None."""
+        idx: [B, Q, K] key rows (-1 = none) or None (dense over keys 0..r1-1); extra: [B, Q, E] more
+        key rows that p spans too (the KL's candidates beyond the selection) or None.
+        -> out [B, Q, H * dv], p [B, Q, K + E or r1] fp32 head-mean probabilities (detached) or None."""
         dtype = q_nope.dtype
         w_uk, w_uv = attn.wkv_b()
         q_lat = torch.einsum("bqhd,hdr->bqhr", q_nope, w_uk)  # [B, Q, H, r]
+
+        def gathered_scores(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            """rows: [B, Q, W] (-1 = none) -> latents [B, Q, W, r], masked scaled scores [B, Q, H, W]."""
+            safe = rows.clamp(min=0)
+            keys_c, keys_pe = _gather_rows(c, safe), _gather_rows(k_pe, safe)  # [B, Q, W, r], [B, Q, W, dr]
+            s = torch.einsum("bqhr,bqkr->bqhk", q_lat, keys_c) + torch.einsum("bqhd,bqkd->bqhk", q_pe, keys_pe)
+            return keys_c, (s * attn.softmax_scale).masked_fill((rows < 0)[:, :, None, :], float("-inf"))
+
         if idx is None:
             keys_c, keys_pe = c[:, :r1], k_pe[:, :r1]  # [B, r1, r], [B, r1, dr]
             scores = torch.einsum("bqhr,btr->bqht", q_lat, keys_c) + torch.einsum("bqhd,btd->bqht", q_pe, keys_pe)
             allowed = _causal(r0, r1, r1, c.device)[None, :, None, :]
+            scores = (scores * attn.softmax_scale).masked_fill(~allowed, float("-inf"))
         else:
-            safe = idx.clamp(min=0)
-            keys_c, keys_pe = _gather_rows(c, safe), _gather_rows(k_pe, safe)  # [B, Q, K, r], [B, Q, K, dr]
-            scores = torch.einsum("bqhr,bqkr->bqhk", q_lat, keys_c) + torch.einsum("bqhd,bqkd->bqhk", q_pe, keys_pe)
-            allowed = (idx >= 0)[:, :, None, :]
-        scores = (scores * attn.softmax_scale).masked_fill(~allowed, float("-inf"))
+            keys_c, scores = gathered_scores(idx)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).nan_to_num(0.0)  # [B, Q, H, W]
-        p = probs.mean(2).detach() if want_p else None
+        p = None
+        if want_p and extra is None:
+            p = probs.mean(2).detach()
+        elif want_p:  # the attention as it would be over the selection and the extra rows (a target only)
+            with torch.no_grad():
+                wide = torch.cat([scores.detach(), gathered_scores(extra)[1]], dim=-1)
+                p = torch.softmax(wide, dim=-1, dtype=torch.float32).nan_to_num(0.0).mean(2)
         probs = probs.to(dtype)
         if idx is None:
             o_lat = torch.einsum("bqht,btr->bqhr", probs, keys_c)
@@ -470,7 +495,9 @@ class LossConfig:
     over their answer tokens), kept apart from the code rows' mean, where a few answer tokens
     among thousands of code tokens would carry almost no gradient. copy_weight: weight of the copy
     rows' LM loss (a code window's second occurrence, `recipe.CodeSource`), kept apart likewise.
-    chunk_bytes: transient memory of one attention chunk."""
+    chunk_bytes: transient memory of one attention chunk. kl_candidates: the sparse indexer KL spans
+    each query's top-`kl_candidates` keys by indexer score when that is more than the top-k (0: the
+    top-k only; TrainingAttention)."""
 
     lm: bool = True
     attention: str = "dense"
@@ -484,8 +511,11 @@ class LossConfig:
     copy_weight: float = 1.0
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     select_fp8: bool = False  # sparse layers select with FP8-simulated indexer scores, as serving does
+    kl_candidates: int = 0
 
     def __post_init__(self) -> None:
+        if self.kl_candidates < 0:
+            raise ValueError(f"kl_candidates must be >= 0 keys (0: the top-k only), got {self.kl_candidates}")
         for name in ("attention", "mtp_attention"):
             if getattr(self, name) not in ("dense", "sparse"):
                 raise ValueError(f"{name} must be 'dense' or 'sparse', got {getattr(self, name)!r}")
@@ -519,7 +549,8 @@ class Objective(nn.Module):
         dense = (set(range(n)) if cfg.attention == "dense" else set()) | (
             mtp_layers if cfg.mtp_attention == "dense" else set())
         trained = {"none": set(), "backbone": set(model.cfg.full_layers), "mtp": {n} if mtp_layers else set()}
-        self.attention = TrainingAttention(model, dense, trained[cfg.indexers], cfg.chunk_bytes, cfg.select_fp8)
+        self.attention = TrainingAttention(model, dense, trained[cfg.indexers], cfg.chunk_bytes, cfg.select_fp8,
+                                           cfg.kl_candidates)
 
     def forward(self, input_ids: torch.Tensor, loss_mask: torch.Tensor | None = None,
                 needle_rows: torch.Tensor | None = None,

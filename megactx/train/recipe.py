@@ -128,7 +128,9 @@ class Recipe:
     KVShare across the MTP steps. copy_forms: the forms of COPY_FORMS the copy rows cycle through
     (CodeSource). seed: the model's initialisation and the data's order, needles and copy windows.
     select_fp8: the sparse stages select keys as the serving engine's FP8 indexer cache does (the
-    indexers' KL still trains their exact scores)."""
+    indexers' KL still trains their exact scores). kl_candidates: the sparse stages' indexer KL spans
+    each query's top-`kl_candidates` keys by indexer score, not only the top-k it selects (0: the
+    top-k only; losses.TrainingAttention)."""
 
     name: str
     model: ModelConfig
@@ -142,6 +144,7 @@ class Recipe:
     copy_forms: tuple[str, ...] = COPY_FORMS
     seed: int = 0
     select_fp8: bool = False  # sparse layers select their top-k from FP8-simulated indexer scores
+    kl_candidates: int = 0
 
     def __post_init__(self) -> None:
         if not self.copy_forms or set(self.copy_forms) - set(COPY_FORMS):
@@ -230,7 +233,7 @@ def trained_kind(recipe: Recipe, index: int) -> str:
 
 
 def loss_config(recipe: Recipe, kind: str) -> LossConfig:
-    common = dict(chunk_bytes=recipe.chunk_bytes, select_fp8=recipe.select_fp8)
+    common = dict(chunk_bytes=recipe.chunk_bytes, select_fp8=recipe.select_fp8, kl_candidates=recipe.kl_candidates)
     mtp = dict(lm=False, attention="sparse", indexers="mtp", mtp_steps=recipe.mtp_steps, mtp_loss=recipe.mtp_loss,
                mtp_share=recipe.mtp_share, **common)
     return {
