@@ -15,7 +15,9 @@
 #      (IndexShare), and beside them, as concurrent processes on the same GPU, the held-out loss
 #      ablations at equal budget: warmup and sparse with an indexer in every layer
 #      (--attention dsa), and sparse with dense attention (--attention dense)
-#   3. extend at CONTEXT tokens (default 65536; "auto" = the longest that fits CONTEXT_BUDGET minutes)
+#   3. extend at CONTEXT tokens (default 65536; "auto" = the longest that fits CONTEXT_BUDGET minutes),
+#      then indexers there (the backbone frozen, its two indexers trained on, the needle answers'
+#      attention weighed apart)
 #   4. MTP (mtp_warmup, mtp), three variants at once: CE without IndexShare/KVShare (the ladder's
 #      baseline), CE with, and the end-to-end TV loss with
 #   5. export: the backbone with the MTP_SHIP variant's MTP layer to OUT/export/megactx-tiny,
@@ -61,10 +63,10 @@ aside --stages sparse --attention dense > "$LOGS/sparse-dense.log" 2>&1 &
 dense=$!
 train --stages warmup,sparse 2>&1 | tee "$LOGS/sparse.log"
 
-stamp "extend at $CONTEXT"
+stamp "extend and indexers at $CONTEXT"
 extend=(--context "$CONTEXT")
 if [[ $CONTEXT == auto && -n ${CONTEXT_BUDGET:-} ]]; then extend+=(--context-budget "$CONTEXT_BUDGET"); fi
-train --stages extend "${extend[@]}" 2>&1 | tee "$LOGS/extend.log"
+train --stages extend,indexers "${extend[@]}" 2>&1 | tee "$LOGS/extend.log"
 
 stamp "MTP variants"
 declare -A MTP=([ce-noshare]="--mtp-loss ce --no-mtp-share" [ce-share]="--mtp-loss ce --mtp-share"

@@ -165,7 +165,18 @@ def test_streaming_attention_target_equals_the_formula():
             target.add(r0, pr[:, :, r0 : r0 + 3].mean(1))
     cross = sum(target.cross_entropy(r0, index[:, r0 : r0 + 4], valid[:, r0 : r0 + 4]) for r0 in range(0, S, 4))
     streamed = (target.neg_entropy - cross) / (B * S * target.layers)
-    assert streamed.item() == pytest.approx(multi_layer_distillation_loss(probs, index, valid).item(), rel=1e-5)
+    assert streamed[0].item() == pytest.approx(multi_layer_distillation_loss(probs, index, valid).item(), rel=1e-5)
+
+    # the focus rows' sums, kept apart, are the formula over those rows alone
+    focus = torch.zeros(B, S, dtype=torch.bool)
+    focus[0, 2], focus[1, 5], focus[1, 6] = True, True, True
+    target = AttentionTarget((B, S, K), torch.device("cpu"), focus)
+    for pr in probs:
+        target.layers += 1
+        target.add(0, pr.mean(1))
+    kl = (target.neg_entropy - target.cross_entropy(0, index, valid)) / (focus.sum() * target.layers)
+    per_layer = [sum(_kl(pr.mean(1)[focus][i], index[focus][i].softmax(-1)) for i in range(3)) / 3 for pr in probs]
+    assert kl[1].item() == pytest.approx(sum(per_layer) / len(per_layer), rel=1e-5)
 
 
 def test_tv_loss_is_one_minus_normalised_expected_acceptance_with_the_target_detached():
@@ -585,6 +596,16 @@ def test_code_source_feeds_packed_code_and_needle_tasks(tmp_path):
     # a batch without needle rows (or without code rows) reports that term as NaN, adds nothing
     loss, metrics = objective(ids[1::2], mask[1::2], batch["needle_rows"][1::2])
     assert metrics["needle"].isnan() and loss == metrics["lm"] == code["lm"]
+    # the indexer KL over the needle answers alone (indexer_needle_weight), a term beside its mean
+    # over every query; NaN and nothing added in a batch without needle rows
+    weighed = Objective(model, LossConfig(attention="sparse", indexers="backbone", indexer_needle_weight=2.0))
+    loss, metrics = weighed(ids, mask, batch["needle_rows"])
+    assert metrics["indexer_kl_needle"].isfinite() and metrics["indexer_kl_needle"] != metrics["indexer_kl"]
+    torch.testing.assert_close(loss, metrics["lm"] + metrics["needle"] + metrics["indexer_kl"]
+                               + 2.0 * metrics["indexer_kl_needle"])
+    loss, metrics = weighed(ids[1::2], mask[1::2], batch["needle_rows"][1::2])
+    assert metrics["indexer_kl_needle"].isnan()
+    torch.testing.assert_close(loss, metrics["lm"] + metrics["indexer_kl"])
 
     # the trainer means each metric over the micro-batches that had it: steps of one needle row and
     # one code row (micro-batches of 1) report each row's own loss, not half of it
@@ -660,7 +681,7 @@ def test_smoke_recipe_runs_every_stage_and_its_checkpoints_load(tmp_path, capsys
     assert main(["train", "--smoke", "--out", str(out), "--no-progress", "--export", str(tmp_path / "model")]) == 0
     recipe = smoke_recipe()
     names = [recipe.stage_name(i) for i in range(len(recipe.stages))]
-    assert names == ["dense", "warmup", "sparse", "extend", "mtp-warmup-ce-share", "mtp-ce-share"]
+    assert names == ["dense", "warmup", "sparse", "extend", "indexers", "mtp-warmup-ce-share", "mtp-ce-share"]
     for name in names:
         rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
         assert all(math.isfinite(r["loss"]) for r in rows)
@@ -674,6 +695,9 @@ def test_smoke_recipe_runs_every_stage_and_its_checkpoints_load(tmp_path, capsys
     every = load_model(out / "dense" / "checkpoint")
     assert all(layer.self_attn.indexer is not None for layer in every.model.layers)
     assert load_model(out / "warmup" / "checkpoint").cfg.indexer_types == final.cfg.indexer_types
+    extended, indexed = (load_model(out / name / "checkpoint").state_dict() for name in ("extend", "indexers"))
+    moved = {name for name in extended if not torch.equal(extended[name], indexed[name])}
+    assert moved and all(".indexer." in name for name in moved)  # the indexers stage trains them alone
 
     transformers = pytest.importorskip("transformers")
     theirs = transformers.GlmMoeDsaForCausalLM.from_pretrained(out / "mtp-ce-share" / "checkpoint",
@@ -697,12 +721,12 @@ def test_smoke_recipe_runs_every_stage_and_its_checkpoints_load(tmp_path, capsys
     extended, shipped = load_model(more / "extend" / "checkpoint").state_dict(), final.state_dict()
     assert all(torch.equal(t, shipped[n]) for n, t in extended.items() if n.startswith("mtp."))  # frozen in extend
     assert any(not torch.equal(t, shipped[n]) for n, t in extended.items() if not n.startswith("mtp."))
-    # ...and the MTP warm-up after it starts from the recipe's seeded MTP layer, as in a whole run
-    # (where no backbone stage trains that layer), not from the shipped model's trained one
+    # ...and an MTP warm-up started from the shipped model starts from the recipe's seeded MTP layer,
+    # as in a whole run (where no backbone stage trains that layer), not from the model's trained one
     seeded = {n: t for n, t in build_model(stage_model_config(recipe, 0), seed=recipe.seed).state_dict().items()
               if n.startswith("mtp.")}
     assert all(torch.equal(t, seeded[n]) for n, t in every.state_dict().items() if n.startswith("mtp."))
-    start = stage_model(recipe, stage_index("mtp_warmup"), more).state_dict()
+    start = stage_model(recipe, stage_index("mtp_warmup"), more, init=tmp_path / "model").state_dict()
     assert all(torch.equal(start[n], t) for n, t in seeded.items())
     assert any(not torch.equal(shipped[n], t) for n, t in seeded.items())
     assert main(["train", "--smoke", "--out", str(more), "--no-progress", "--stages", "extend",
@@ -822,7 +846,18 @@ def test_train_cli_overrides_reach_the_recipe():
     recipe = build_recipe(parse(["train", "--recipe", "tiny", "--select-fp8"]))
     assert recipe.select_fp8 and all(loss_config(recipe, kind).select_fp8 for kind in ("sparse", "extend", "mtp"))
     assert not loss_config(tiny_recipe(), "sparse").select_fp8
-    recipe = build_recipe(parse(["train", "--recipe", "tiny", "--kl-candidates", "1024"]))
-    assert all(loss_config(recipe, kind).kl_candidates == 1024 for kind in ("sparse", "extend", "mtp"))
+    from megactx.train.recipe import stage_loss_config
+
+    tiny = tiny_recipe()
+    assert [(s.kind, stage_loss_config(tiny, i).kl_candidates, stage_loss_config(tiny, i).indexer_needle_weight)
+            for i, s in enumerate(tiny.stages) if s.kind in ("sparse", "indexers")] == [
+        ("sparse", 0, 0.0), ("indexers", 512, 1.0)]
+    recipe = build_recipe(parse(["train", "--recipe", "tiny", "--kl-candidates", "1024", "--indexer-needle-weight", "2",
+                                 "--context", "32768"]))
+    for i, stage in enumerate(recipe.stages):
+        wide = stage.kind in ("sparse", "extend", "indexers")  # the stages that train the backbone's indexers sparsely
+        cfg = stage_loss_config(recipe, i)
+        assert (cfg.kl_candidates, cfg.indexer_needle_weight) == ((1024, 2.0) if wide else (0, 0.0)), stage.kind
+        assert (stage.train.seq_len == 32768) == (stage.kind in ("extend", "indexers"))
     with pytest.raises(ValueError, match="--kl-candidates"):
         build_recipe(parse(["train", "--smoke", "--kl-candidates", "-1"]))

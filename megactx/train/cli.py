@@ -43,8 +43,8 @@ def add_train_parser(subparsers: Any) -> None:
     p.add_argument("--max-steps", type=int, default=None, help="at most this many steps a stage in this run")
     p.add_argument("--time-limit", type=float, default=None, help="stop (with a checkpoint) after this many minutes")
     p.add_argument("--context", default=None,
-                   help=f"sequence length of the extend stage, or '{AUTO}': the longest that fits this GPU "
-                        "(and --context-budget)")
+                   help=f"sequence length of the extend and indexers stages, or '{AUTO}': the longest that fits "
+                        "this GPU (and --context-budget)")
     p.add_argument("--context-budget", type=float, default=None,
                    help="with --context auto: minutes the extend stage may take")
     p.add_argument("--attention", choices=("indexshare", "dsa", "dense"), default=None,
@@ -59,10 +59,14 @@ def add_train_parser(subparsers: Any) -> None:
                    help="sparse stages select each query's keys from FP8-simulated indexer scores, as the serving "
                         "engine's FP8 indexer cache does (the indexer KL still trains the exact scores)")
     p.add_argument("--kl-candidates", type=int, default=None, metavar="N",
-                   help="sparse stages train each full layer's indexer by a KL over each query's top-N keys by "
-                        "indexer score, where N is more than the top-k the layers attend to (their attention "
-                        "scored over those N for the target only), so a key ranked just outside the selection "
-                        "still gets a gradient (default: 0, the top-k only)")
+                   help="the sparse, extend and indexers stages train each full layer's indexer by a KL over each "
+                        "query's top-N keys by indexer score, where N is more than the top-k the layers attend to "
+                        "(their attention scored over those N for the target only), so a key ranked just outside "
+                        "the selection still gets a gradient (default: the recipe's; tiny: 512 in indexers, else 0)")
+    p.add_argument("--indexer-needle-weight", type=float, default=None, metavar="W",
+                   help="the sparse, extend and indexers stages add the indexer KL's mean over the needle rows' "
+                        "answer positions, weighted W, to its mean over every position: the few queries that "
+                        "retrieve in a long row (default: the recipe's; tiny: 1 in indexers, else 0)")
     p.add_argument("--copy-forms", default=None,
                    help="comma-separated forms the copy rows cycle through, of half (the row's first half "
                         "repeated) and window (a window repeated from a start drawn per row) (default: "
@@ -106,7 +110,7 @@ def stage_steps(spec: str) -> dict[str, int]:
 def build_recipe(args: argparse.Namespace):
     import dataclasses
 
-    from megactx.train.recipe import RECIPES
+    from megactx.train.recipe import LONG_KINDS, RECIPES, SPARSE_INDEXER_KINDS
 
     recipe = RECIPES["smoke" if args.smoke else args.recipe]()
     changes: dict[str, Any] = {}
@@ -124,10 +128,6 @@ def build_recipe(args: argparse.Namespace):
         changes["select_fp8"] = True
     if args.seed is not None:
         changes["seed"] = args.seed
-    if args.kl_candidates is not None:
-        if args.kl_candidates < 0:
-            raise ValueError(f"--kl-candidates must be >= 0 keys, got {args.kl_candidates}")
-        changes["kl_candidates"] = args.kl_candidates
     model: dict[str, Any] = {}
     if args.topk is not None:
         if args.topk < 1:
@@ -150,6 +150,18 @@ def build_recipe(args: argparse.Namespace):
         recipe = dataclasses.replace(recipe, stages=[
             dataclasses.replace(s, train=dataclasses.replace(s.train, steps=steps[s.kind])) if s.kind in steps else s
             for s in recipe.stages])
+    indexer_kl = {}
+    if args.kl_candidates is not None:
+        if args.kl_candidates < 0:
+            raise ValueError(f"--kl-candidates must be >= 0 keys, got {args.kl_candidates}")
+        indexer_kl["kl_candidates"] = args.kl_candidates
+    if args.indexer_needle_weight is not None:
+        if args.indexer_needle_weight < 0:
+            raise ValueError(f"--indexer-needle-weight must be >= 0, got {args.indexer_needle_weight}")
+        indexer_kl["indexer_needle_weight"] = args.indexer_needle_weight
+    if indexer_kl:
+        recipe = dataclasses.replace(recipe, stages=[
+            dataclasses.replace(s, **indexer_kl) if s.kind in SPARSE_INDEXER_KINDS else s for s in recipe.stages])
     if args.parallel:
         for stage in recipe.stages:
             stage.train = dataclasses.replace(stage.train, parallel=args.parallel)
@@ -159,7 +171,7 @@ def build_recipe(args: argparse.Namespace):
         except ValueError:
             raise ValueError(f"--context must be a number of tokens or '{AUTO}', got {args.context!r}") from None
         for stage in recipe.stages:
-            if stage.kind == "extend":
+            if stage.kind in LONG_KINDS:
                 stage.train = dataclasses.replace(stage.train, seq_len=length)
     return recipe
 
@@ -167,7 +179,7 @@ def build_recipe(args: argparse.Namespace):
 def run_train(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from megactx.train.recipe import export_model, find_max_context, run_recipe, stage_progress
+    from megactx.train.recipe import LONG_KINDS, export_model, find_max_context, run_recipe, stage_progress
     from megactx.train.trainer import CHECKPOINT, init_distributed
 
     try:
@@ -184,8 +196,10 @@ def run_train(args: argparse.Namespace) -> int:
             index = recipe.stage_index("extend")
             budget = None if args.context_budget is None else args.context_budget * 60
             length = find_max_context(recipe, index, out, list(AUTO_CONTEXTS), ctx, budget, log)
-            recipe.stages[index].train = dataclasses.replace(recipe.stages[index].train, seq_len=length)
-            log(f"extend stage: context {length}")
+            for stage in recipe.stages:
+                if stage.kind in LONG_KINDS:
+                    stage.train = dataclasses.replace(stage.train, seq_len=length)
+            log(f"extend and indexers stages: context {length}")
         run_recipe(recipe, out, stages, args.data_dir, ctx, args.max_steps,
                    None if args.time_limit is None else args.time_limit * 60, not args.no_progress, log, args.init)
     except ValueError as e:

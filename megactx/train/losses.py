@@ -143,11 +143,13 @@ class AttentionTarget:
     """Running Σ_j p^(j) of the layers one indexer serves, and Σ_j Σ p^(j) log p^(j), which is all
     Σ_j KL(p^(j) ‖ q) = Σ_j Σ p^(j) log p^(j) − Σ (Σ_j p^(j)) log q needs: no layer's p is kept.
 
-    p_sum: [B, S, W] fp32, W = K selected slots (sparse) or S keys (dense)."""
+    p_sum: [B, S, W] fp32, W = K selected slots (sparse) or S keys (dense). focus: [B, S] bool,
+    query rows whose sums are also kept apart (the needle answers: `TrainingAttention.focus`)."""
 
-    def __init__(self, shape: tuple[int, int, int], device: torch.device):
+    def __init__(self, shape: tuple[int, int, int], device: torch.device, focus: torch.Tensor | None = None):
         self.p_sum = torch.zeros(shape, dtype=torch.float32, device=device)
-        self.neg_entropy = torch.zeros((), dtype=torch.float32, device=device)
+        self.focus = torch.zeros(shape[:2], dtype=torch.bool, device=device) if focus is None else focus
+        self.neg_entropy = torch.zeros(2, dtype=torch.float32, device=device)  # every row, the focus rows
         self.layers = 0
 
     def add(self, r0: int, p: torch.Tensor) -> None:
@@ -155,13 +157,16 @@ class AttentionTarget:
         first w columns."""
         Q, w = p.shape[1], p.shape[2]
         self.p_sum[:, r0 : r0 + Q, :w] += p
-        self.neg_entropy += torch.xlogy(p, p).sum()
+        rows = torch.xlogy(p, p).sum(-1)  # [B, Q]
+        self.neg_entropy += torch.stack([rows.sum(), (rows * self.focus[:, r0 : r0 + Q]).sum()])
 
     def cross_entropy(self, r0: int, logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Σ over rows r0.. of Σ_j p^(j) · log softmax(logits); logits, valid: [B, Q, w]."""
+        """[2]: Σ over rows r0.. (all of them; the focus rows) of Σ_j p^(j) · log softmax(logits);
+        logits, valid: [B, Q, w]."""
         Q, w = logits.shape[1], logits.shape[2]
         log_q = torch.log_softmax(logits.float().masked_fill(~valid, float("-inf")), -1).masked_fill(~valid, 0.0)
-        return (self.p_sum[:, r0 : r0 + Q, :w] * log_q).sum()
+        rows = (self.p_sum[:, r0 : r0 + Q, :w] * log_q).sum(-1)  # [B, Q]
+        return torch.stack([rows.sum(), (rows * self.focus[:, r0 : r0 + Q]).sum()])
 
 
 @dataclass
@@ -208,13 +213,15 @@ class TrainingAttention:
         self.kl_candidates = kl_candidates
         self._open: _Group | None = None
         self.indexer_losses: list[torch.Tensor] = []
+        self.focus: torch.Tensor | None = None
 
     @contextmanager
-    def installed(self, model: Transformer) -> Iterator[TrainingAttention]:
+    def installed(self, model: Transformer, focus: torch.Tensor | None = None) -> Iterator[TrainingAttention]:
         """Route every attention module of `model` through this object for the block; per-forward
-        state (open group, collected losses) starts empty."""
+        state (open group, collected losses) starts empty. focus: [B, S] bool query rows whose
+        indexer KL is also averaged apart (the needle answers), or None."""
         modules = model.attention_modules()
-        self._open, self.indexer_losses = None, []
+        self._open, self.indexer_losses, self.focus = None, [], focus
         for attn in modules:
             attn.training_attention = self
         try:
@@ -224,7 +231,8 @@ class TrainingAttention:
                 attn.training_attention = None
 
     def finish(self) -> list[torch.Tensor]:
-        """Close the last group; returns the indexer losses of this forward (one a group)."""
+        """Close the last group; returns the indexer losses of this forward, one a group: [2], the
+        KL's mean over every query row and over the focus rows (0 without any)."""
         self._close()
         losses, self.indexer_losses = self.indexer_losses, []
         return losses
@@ -289,7 +297,7 @@ class TrainingAttention:
             topk = candidates[..., :width]  # the sorted selection's first K columns are its top-K
         group = None
         if learns:
-            target = AttentionTarget((B, S, S if dense else candidates.shape[-1]), x.device)
+            target = AttentionTarget((B, S, S if dense else candidates.shape[-1]), x.device, self.focus)
             group = _Group(layer, indexer, q, w, k, topk, candidates, target)
             self._open = group
         return topk, group
@@ -319,18 +327,18 @@ class TrainingAttention:
         dense = group.topk.shape[-1] == 0
         width = S if dense else group.candidates.shape[-1]
         rows = _rows_per_chunk(S, B * width * (HI + DI + 4) * 4, self.chunk_bytes)
-        cross = torch.zeros((), device=group.q.device)
+        cross = torch.zeros(2, device=group.q.device)
         for r0 in range(0, S, rows):
             r1 = min(S, r0 + rows)
             idx = None if dense else group.candidates[:, r0:r1]
             cross = cross + checkpoint(self._indexer_cross, group, r0, r1, group.q[:, r0:r1], group.w[:, r0:r1],
                                        group.k, idx, use_reentrant=False)
-        tokens = B * S * group.target.layers
-        self.indexer_losses.append((group.target.neg_entropy - cross) / tokens)
+        rows = torch.stack([torch.tensor(B * S, device=cross.device), group.target.focus.sum().clamp(min=1)])
+        self.indexer_losses.append((group.target.neg_entropy - cross) / (rows * group.target.layers))
 
     @staticmethod
     def _indexer_cross(group: _Group, r0: int, r1: int, q, w, k, idx) -> torch.Tensor:
-        """Σ_j p^(j) · log softmax(I) over rows r0..r1-1. q: [B, Q, HI, DI], w: [B, Q, HI],
+        """[2]: Σ_j p^(j) · log softmax(I) over rows r0..r1-1 (all; the focus rows). q: [B, Q, HI, DI], w: [B, Q, HI],
         k: [B, S, DI], idx: [B, Q, K] or None (dense: keys 0..r1-1)."""
         indexer = group.indexer
         if idx is None:
@@ -497,7 +505,10 @@ class LossConfig:
     rows' LM loss (a code window's second occurrence, `recipe.CodeSource`), kept apart likewise.
     chunk_bytes: transient memory of one attention chunk. kl_candidates: the sparse indexer KL spans
     each query's top-`kl_candidates` keys by indexer score when that is more than the top-k (0: the
-    top-k only; TrainingAttention)."""
+    top-k only; TrainingAttention). indexer_needle_weight: weight of a second indexer KL term, the
+    KL's mean over the needle rows' answer positions alone ("indexer_kl_needle"; 0: none): among
+    the 64K query rows of a long row the few that retrieve would otherwise carry no weight.
+    """
 
     lm: bool = True
     attention: str = "dense"
@@ -512,8 +523,11 @@ class LossConfig:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     select_fp8: bool = False  # sparse layers select with FP8-simulated indexer scores, as serving does
     kl_candidates: int = 0
+    indexer_needle_weight: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.indexer_needle_weight < 0:
+            raise ValueError(f"indexer_needle_weight must be >= 0, got {self.indexer_needle_weight}")
         if self.kl_candidates < 0:
             raise ValueError(f"kl_candidates must be >= 0 keys (0: the top-k only), got {self.kl_candidates}")
         for name in ("attention", "mtp_attention"):
@@ -534,7 +548,7 @@ class Objective(nn.Module):
 
     Wraps the model (as the child `model`, so that DDP / FSDP see every parameter under one root)
     and runs its modules through `TrainingAttention`. metrics: detached scalars, "loss" and each
-    term: "lm", "indexer_kl", "mtp_ce", "mtp_tv", and "mtp_accept" (expected accepted drafts
+    term: "lm", "indexer_kl" (and "indexer_kl_needle"), "mtp_ce", "mtp_tv", and "mtp_accept" (expected accepted drafts
     Σ_j Π_{i≤j} α_i, logged whatever the objective). Parameters not meant to train must have
     requires_grad=False (recipe.set_trainable); the backbone runs without a graph when nothing
     in it trains (the MTP stages)."""
@@ -565,7 +579,10 @@ class Objective(nn.Module):
         terms: dict[str, torch.Tensor] = {}
         metrics: dict[str, torch.Tensor] = {}
         by_kind: dict[str, torch.Tensor] = {}  # per-kind metrics: NaN for a kind without rows in this batch
-        with self.attention.installed(model):
+        focus = None  # [B, S]: the query rows that predict a needle answer token
+        if cfg.indexer_needle_weight and loss_mask is not None and needle_rows is not None:
+            focus = F.pad(loss_mask, (0, 1), value=False) & needle_rows[:, None]
+        with self.attention.installed(model, focus):
             with torch.set_grad_enabled(backbone_graph and torch.is_grad_enabled()):
                 hidden = model.hidden_states(input_ids)  # [B, S, D]
             if cfg.lm:
@@ -587,8 +604,13 @@ class Objective(nn.Module):
                 terms.update(self._mtp_terms(input_ids, hidden.detach(), metrics))
             losses = self.attention.finish()
         if losses:
-            terms["indexer_kl"] = torch.stack(losses).mean()
-        weights = {"indexer_kl": cfg.indexer_weight, "needle": cfg.needle_weight, "copy": cfg.copy_weight}
+            kl = torch.stack(losses)  # [groups, 2]: over every query row, over the focus rows
+            terms["indexer_kl"] = kl[:, 0].mean()
+            if focus is not None:
+                terms["indexer_kl_needle"] = kl[:, 1].mean()
+                by_kind["indexer_kl_needle"] = torch.where(focus.any(), kl[:, 1].mean().detach(), float("nan"))
+        weights = {"indexer_kl": cfg.indexer_weight, "indexer_kl_needle": cfg.indexer_needle_weight,
+                   "needle": cfg.needle_weight, "copy": cfg.copy_weight}
         loss = sum(weights.get(name, 1.0) * t for name, t in terms.items())
         metrics.update({name: t.detach().float() for name, t in terms.items()} | by_kind)
         metrics["loss"] = loss.detach().float()

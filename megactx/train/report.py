@@ -33,7 +33,8 @@ from megactx.train.trainer import CONFIG_FILE
 
 BPB_TARGETS = {"sparse-dsa": 0.02, "sparse-dense": 0.03}  # IndexShare's bpb may exceed these by at most
 LADDER_TARGET = 1.2  # last rung / baseline
-TERMS = ("loss", "lm", "copy", "needle", "indexer_kl", "mtp_accept")  # metrics the stage table shows
+# metrics the stage table shows
+TERMS = ("loss", "lm", "copy", "needle", "indexer_kl", "indexer_kl_needle", "mtp_accept")
 STAMP = re.compile(r"^\[(\d\d:\d\d:\d\d)\] (.*)$")
 
 
@@ -190,7 +191,7 @@ def write_report(run: Path, out: Path) -> Path:
                    f"`{noted['weights_sha256'][:16]}`), not from the stage before it in this run "
                    "(`megactx train --init`).", ""]
     md += ["| stage | steps | tokens/step | tokens/s (median) | step time, min | loss | lm | copy | needle | "
-           "indexer KL | MTP E[accepted] |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "indexer KL | indexer KL, needle answers | MTP E[accepted] |", "|---" * 12 + "|"]
     fmt = lambda v, f="{:.3f}": "–" if v is None else f.format(v)  # noqa: E731
     for r in rows:
         md.append(f"| {r['stage']} | {r['steps']} | {fmt(r['tokens_per_step'], '{:,}')} | "
