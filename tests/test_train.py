@@ -734,6 +734,10 @@ def test_smoke_recipe_runs_every_stage_and_its_checkpoints_load(tmp_path, capsys
     assert main(["train", "--smoke", "--out", str(more), "--no-progress", "--stages", "extend",
                  "--stage-steps", "extend=4", "--init", str(out / "sparse" / "checkpoint")]) == 2
     assert "was started from" in capsys.readouterr().err
+    for options in (["--context", "128"], ["--topk", "8"]):  # other YaRN positions, another top-k: refused
+        assert main(["train", "--smoke", "--out", str(tmp_path / "other"), "--no-progress", "--stages", "extend",
+                     "--init", str(tmp_path / "model"), *options]) == 2
+        assert "does not match stage extend" in capsys.readouterr().err
 
     # the held-out-loss ablations: warm-up and sparse stage with an indexer in every layer, and dense
     # (which has no warm-up: it starts from `dense`)

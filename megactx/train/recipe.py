@@ -479,10 +479,25 @@ def stage_model(recipe: Recipe, index: int, out_dir: Path, init: Path | None = N
                              f"finished ({stage_progress(prev_dir)} of {prev_steps} steps); run "
                              f"{recipe.stage_name(prev)} first")
         init = prev_dir / CHECKPOINT
+    else:
+        init_matches(ModelConfig.from_pretrained(init), cfg, init, recipe.stage_name(index))
     model = adapt_model(load_model(init, dtype=torch.float32), cfg)
     if recipe.stages[index].kind == "mtp_warmup":
         seeded_mtp_layer(recipe, model)
     return model
+
+
+INIT_MUST_MATCH = ("rope_parameters", "index_topk")  # what recipe options change and no tensor shows
+
+
+def init_matches(have: ModelConfig, want: ModelConfig, init: Path, stage: str) -> None:
+    """Refuse to start `stage` from a model directory (--init) trained with other positions or
+    another top-k than this recipe gives the stage: the weights would load and mean something else."""
+    bad = [k for k in INIT_MUST_MATCH if getattr(have, k) != getattr(want, k)]
+    if bad:
+        diff = "; ".join(f"{k}: {getattr(have, k)} there, {getattr(want, k)} here" for k in bad)
+        raise ValueError(f"--init {init} does not match stage {stage} ({diff}); give the recipe options the "
+                         "model was trained with (--context, --topk)")
 
 
 def seeded_mtp_layer(recipe: Recipe, model: Transformer) -> None:
