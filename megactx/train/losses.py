@@ -9,10 +9,10 @@ Formulas (../shared/reference/FACTS.md):
   keys only; its gradient is that of KL(mean_j p^(ℓ+j) ‖ softmax(I)). With `kl_candidates` C > K,
   p and I span each query's top-C keys by indexer score instead (p: the layer's attention as it
   would be over those C; the layer itself still attends to the top-K), so a key the indexer ranks
-  just outside its selection, which the attention would have weighed, still gets a gradient.
-  The indexer's inputs are
-  detached, so these losses train the indexer alone, and the LM loss never reaches it (top-k is
-  not differentiable);
+  just outside its selection, which the attention would have weighed, still gets a gradient. With
+  `indexer_needle_weight`, the KL's mean over the needle answers' query rows alone is a second
+  term. The indexer's inputs are detached, so these losses train the indexer alone, and the LM
+  loss never reaches it (top-k is not differentiable);
 - MTP: cross-entropy of each of γ draft steps, and the end-to-end TV loss (Eq. 13)
   L = 1 − (1/γ) Σ_j Π_{i≤j} α_i with α_i = 1 − TV(p_i, q_i), p (the target) detached.
 
@@ -333,8 +333,8 @@ class TrainingAttention:
             idx = None if dense else group.candidates[:, r0:r1]
             cross = cross + checkpoint(self._indexer_cross, group, r0, r1, group.q[:, r0:r1], group.w[:, r0:r1],
                                        group.k, idx, use_reentrant=False)
-        rows = torch.stack([torch.tensor(B * S, device=cross.device), group.target.focus.sum().clamp(min=1)])
-        self.indexer_losses.append((group.target.neg_entropy - cross) / (rows * group.target.layers))
+        counted = torch.stack([torch.tensor(B * S, device=cross.device), group.target.focus.sum().clamp(min=1)])
+        self.indexer_losses.append((group.target.neg_entropy - cross) / (counted * group.target.layers))
 
     @staticmethod
     def _indexer_cross(group: _Group, r0: int, r1: int, q, w, k, idx) -> torch.Tensor:
