@@ -11,9 +11,10 @@
 | mtp        | top-k, IndexShare + KVShare      | MTP layer (+ indexer)    | MTP CE and/or TV + distillation KL      |
 
 A stage may mix needle tasks into its code rows (`Stage.needle_fraction`, loss on the answer only).
-`indexers` goes on training the kept indexers alone at the extended length, the backbone frozen:
-with `Recipe.kl_candidates`, over more keys than each selects (losses.TrainingAttention), so that
-a key the indexer ranks just outside its top-k, which retrieval needed, is still pulled in.
+`indexers` goes on training the kept indexers alone at the extended length, the backbone frozen,
+with `Stage.kl_candidates` (the KL over more keys than each selects, so that a key ranked just
+outside the top-k still gets a gradient) and `Stage.indexer_needle_weight` (the KL's mean over the
+needle answers as a term of its own: the few queries that retrieve in a 64K row).
 
 `Recipe.attention` picks the architecture of the stages from `sparse` on: "indexshare" (the
 recipe's pattern), "dsa" (an indexer in every layer) or "dense" (no sparsity: every layer full with
