@@ -269,6 +269,26 @@ def _reference_attention(attn, x, cos, sin, positions, topk):
     return probs.gather(-1, topk.clamp(min=0)[:, None].expand(-1, H, -1, -1)) * (topk >= 0)[:, None]
 
 
+def _attention_calls(model, ids) -> dict[int, tuple[tuple, torch.Tensor]]:
+    """layer -> (the arguments of its attention module's call, the top-k it returned) in model(ids)."""
+    seen = {}
+    hooks = [layer.self_attn.register_forward_hook(lambda m, args, out, i=i: seen.__setitem__(i, (args, out[1])))
+             for i, layer in enumerate(model.model.layers)]
+    with torch.no_grad():
+        model(ids)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+@torch.no_grad()
+def _indexer_scores(attn, x, cos, sin) -> torch.Tensor:
+    """The full layer `attn`'s exact indexer scores [B, S, S] for its input x."""
+    q_resid, _, _ = attn.project_q(x, cos, sin)
+    q, w = attn.indexer.queries(x, q_resid, cos, sin)
+    return attn.indexer.scores(q, w, attn.indexer.keys(x, cos, sin))
+
+
 @pytest.mark.parametrize("attention,seqlen", [("sparse", 40), ("dense", 16)])
 def test_each_full_indexer_learns_the_mean_attention_of_the_layers_it_serves(attention, seqlen):
     """IndexShare pattern FSFS: layer 0's indexer learns layers 0 and 1, layer 2's layers 2 and 3,
@@ -280,13 +300,7 @@ def test_each_full_indexer_learns_the_mean_attention_of_the_layers_it_serves(att
     assert cfg.indexer_types == ["full", "shared", "full", "shared"]
     assert (seqlen <= cfg.index_topk) == (attention == "dense")
     ids = token_ids(2, seqlen)
-    seen = {}
-    hooks = [layer.self_attn.register_forward_hook(lambda m, args, out, i=i: seen.__setitem__(i, (args, out[1])))
-             for i, layer in enumerate(model.model.layers)]
-    with torch.no_grad():
-        model(ids)
-    for h in hooks:
-        h.remove()
+    seen = _attention_calls(model, ids)
 
     expected = []
     for full in cfg.full_layers:
@@ -294,12 +308,9 @@ def test_each_full_indexer_learns_the_mean_attention_of_the_layers_it_serves(att
         with torch.no_grad():
             probs = [_reference_attention(model.model.layers[i].self_attn, *seen[i][0][:4], seen[i][1])
                      for i in served]
-            (x, cos, sin), topk = seen[full][0][:3], seen[full][1]
-            attn = model.model.layers[full].self_attn
-            q_resid, _, _ = attn.project_q(x, cos, sin)
-            q, w = attn.indexer.queries(x, q_resid, cos, sin)
-            scores = attn.indexer.scores(q, w, attn.indexer.keys(x, cos, sin))
-            index_at = scores.gather(-1, topk.clamp(min=0))
+            topk = seen[full][1]
+            index_at = _indexer_scores(model.model.layers[full].self_attn, *seen[full][0][:3]).gather(
+                -1, topk.clamp(min=0))
         expected.append(multi_layer_distillation_loss(probs, index_at, topk >= 0))
 
     objective = Objective(model, LossConfig(lm=False, attention=attention, indexers="backbone", chunk_bytes=8_000))
@@ -316,24 +327,14 @@ def test_kl_candidates_widen_the_indexer_kl_but_not_the_attention():
     model = tie_free_model(micro_config())
     cfg, C = model.cfg, 24
     ids = token_ids(2, 40)  # top-k 16, 24 candidates of up to 40 keys
-    seen = {}
-    hooks = [layer.self_attn.register_forward_hook(lambda m, args, out, i=i: seen.__setitem__(i, args))
-             for i, layer in enumerate(model.model.layers)]
-    with torch.no_grad():
-        model(ids)
-    for h in hooks:
-        h.remove()
+    seen = {i: args for i, (args, _) in _attention_calls(model, ids).items()}
 
     expected = []
     for full in cfg.full_layers:
-        x, cos, sin, positions = seen[full][:4]
-        attn = model.model.layers[full].self_attn
+        scores = _indexer_scores(model.model.layers[full].self_attn, *seen[full][:3])
+        wide = select_topk(scores.masked_fill(~causal_mask(seen[full][3], 40), float("-inf")), C)  # [B, S, C]
+        served = [i for i in range(cfg.num_hidden_layers) if cfg.topk_source(i) == full]
         with torch.no_grad():
-            q_resid, _, _ = attn.project_q(x, cos, sin)
-            q, w = attn.indexer.queries(x, q_resid, cos, sin)
-            scores = attn.indexer.scores(q, w, attn.indexer.keys(x, cos, sin))
-            wide = select_topk(scores.masked_fill(~causal_mask(positions, 40), float("-inf")), C)  # [B, S, C]
-            served = [i for i in range(cfg.num_hidden_layers) if cfg.topk_source(i) == full]
             probs = [_reference_attention(model.model.layers[i].self_attn, *seen[i][:4], wide) for i in served]
         expected.append(multi_layer_distillation_loss(probs, scores.gather(-1, wide.clamp(min=0)), wide >= 0))
 

@@ -110,7 +110,7 @@ def stage_steps(spec: str) -> dict[str, int]:
 def build_recipe(args: argparse.Namespace):
     import dataclasses
 
-    from megactx.train.recipe import LONG_KINDS, RECIPES, SPARSE_INDEXER_KINDS
+    from megactx.train.recipe import RECIPES, SPARSE_INDEXER_KINDS
 
     recipe = RECIPES["smoke" if args.smoke else args.recipe]()
     changes: dict[str, Any] = {}
@@ -170,16 +170,24 @@ def build_recipe(args: argparse.Namespace):
             length = int(args.context)
         except ValueError:
             raise ValueError(f"--context must be a number of tokens or '{AUTO}', got {args.context!r}") from None
-        for stage in recipe.stages:
-            if stage.kind in LONG_KINDS:
-                stage.train = dataclasses.replace(stage.train, seq_len=length)
+        set_long_context(recipe, length)
     return recipe
 
 
-def run_train(args: argparse.Namespace) -> int:
+def set_long_context(recipe, length: int) -> None:
+    """The rows of the stages at the longest context (extend, indexers) become `length` tokens."""
     import dataclasses
 
-    from megactx.train.recipe import LONG_KINDS, export_model, find_max_context, run_recipe, stage_progress
+    from megactx.train.recipe import LONG_KINDS
+
+    for stage in recipe.stages:
+        if stage.kind in LONG_KINDS:
+            stage.train = dataclasses.replace(stage.train, seq_len=length)
+
+
+def run_train(args: argparse.Namespace) -> int:
+
+    from megactx.train.recipe import export_model, find_max_context, run_recipe, stage_progress
     from megactx.train.trainer import CHECKPOINT, init_distributed
 
     try:
@@ -196,9 +204,7 @@ def run_train(args: argparse.Namespace) -> int:
             index = recipe.stage_index("extend")
             budget = None if args.context_budget is None else args.context_budget * 60
             length = find_max_context(recipe, index, out, list(AUTO_CONTEXTS), ctx, budget, log)
-            for stage in recipe.stages:
-                if stage.kind in LONG_KINDS:
-                    stage.train = dataclasses.replace(stage.train, seq_len=length)
+            set_long_context(recipe, length)
             log(f"extend and indexers stages: context {length}")
         run_recipe(recipe, out, stages, args.data_dir, ctx, args.max_steps,
                    None if args.time_limit is None else args.time_limit * 60, not args.no_progress, log, args.init)

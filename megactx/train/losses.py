@@ -368,7 +368,9 @@ class TrainingAttention:
         to its target."""
         B, S, H, _ = q_nope.shape
         want_p = group is not None
-        more = None if topk is None or not want_p else group.candidates[..., topk.shape[-1]:]  # [B, S, C - K]
+        more = None  # [B, S, C - K]: the KL's candidates beyond the selection
+        if topk is not None and want_p and group.candidates.shape[-1] > topk.shape[-1]:
+            more = group.candidates[..., topk.shape[-1]:]
         width = S if topk is None else topk.shape[-1] + (0 if more is None else more.shape[-1])
         latent = attn.r + attn.dr
         rows = _rows_per_chunk(S, B * width * (H * 4 * 3 + (0 if topk is None else latent * 4 * 2)),
@@ -377,7 +379,7 @@ class TrainingAttention:
         for r0 in range(0, S, rows):
             r1 = min(S, r0 + rows)
             idx = None if topk is None else topk[:, r0:r1]
-            extra = None if more is None or not more.shape[-1] else more[:, r0:r1]
+            extra = None if more is None else more[:, r0:r1]
             args = (attn, r0, r1, q_nope[:, r0:r1], q_pe[:, r0:r1], c, k_pe, idx, want_p, extra)
             if torch.is_grad_enabled():
                 out, p = checkpoint(self._attend_chunk, *args, use_reentrant=False)

@@ -140,6 +140,7 @@ def ladder_lines(spec: dict) -> list[str]:
 
 
 def write_report(run: Path, out: Path) -> Path:
+    """OUT/megactx-tiny.md and its figures in OUT/megactx-tiny/, from the run directory RUN."""
     run, out = Path(run), Path(out)
     figures = out / "megactx-tiny"
     figures.mkdir(parents=True, exist_ok=True)
