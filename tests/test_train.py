@@ -607,6 +607,11 @@ def test_code_source_feeds_packed_code_and_needle_tasks(tmp_path):
     loss, metrics = weighed(ids[1::2], mask[1::2], batch["needle_rows"][1::2])
     assert metrics["indexer_kl_needle"].isnan()
     torch.testing.assert_close(loss, metrics["lm"] + metrics["indexer_kl"])
+    # the same term in the dense warm-up's KL (every key the target), the answers' mean apart
+    warmup = Objective(model, LossConfig(lm=False, attention="dense", indexers="backbone", indexer_needle_weight=2.0))
+    loss, metrics = warmup(ids, mask, batch["needle_rows"])
+    assert metrics["indexer_kl_needle"].isfinite() and metrics["indexer_kl_needle"] != metrics["indexer_kl"]
+    torch.testing.assert_close(loss, metrics["indexer_kl"] + 2.0 * metrics["indexer_kl_needle"])
 
     # the trainer means each metric over the micro-batches that had it: steps of one needle row and
     # one code row (micro-batches of 1) report each row's own loss, not half of it
@@ -860,7 +865,7 @@ def test_train_cli_overrides_reach_the_recipe():
     recipe = build_recipe(parse(["train", "--recipe", "tiny", "--kl-candidates", "1024", "--indexer-needle-weight", "2",
                                  "--context", "32768"]))
     for i, stage in enumerate(recipe.stages):
-        wide = stage.kind in ("sparse", "extend", "indexers")  # the stages that train the backbone's indexers sparsely
+        wide = stage.kind in ("warmup", "sparse", "extend", "indexers")  # the stages that train the indexers by a KL
         cfg = stage_loss_config(recipe, i)
         assert (cfg.kl_candidates, cfg.indexer_needle_weight) == ((1024, 2.0) if wide else (0, 0.0)), stage.kind
         assert (stage.train.seq_len == 32768) == (stage.kind in ("extend", "indexers"))

@@ -62,10 +62,11 @@ def add_train_parser(subparsers: Any) -> None:
                    help="the sparse, extend and indexers stages train each full layer's indexer by a KL over each "
                         "query's top-N keys by indexer score, where N is more than the top-k the layers attend to "
                         "(their attention scored over those N for the target only), so a key ranked just outside "
-                        "the selection still gets a gradient (default: the recipe's; tiny: 512 in indexers, else 0)")
+                        "the selection still gets a gradient (warmup's dense KL spans every key) (default: the "
+                        "recipe's; tiny: 512 in indexers, else 0)")
     p.add_argument("--indexer-needle-weight", type=float, default=None, metavar="W",
-                   help="the sparse, extend and indexers stages add the indexer KL's mean over the needle rows' "
-                        "answer positions, weighted W, to its mean over every position: the few queries that "
+                   help="the warmup, sparse, extend and indexers stages add the indexer KL's mean over the needle "
+                        "rows' answer positions, weighted W, to its mean over every position: the few queries that "
                         "retrieve in a long row (default: the recipe's; tiny: 1 in indexers, else 0)")
     p.add_argument("--copy-forms", default=None,
                    help="comma-separated forms the copy rows cycle through, of half (the row's first half "
@@ -110,7 +111,7 @@ def stage_steps(spec: str) -> dict[str, int]:
 def build_recipe(args: argparse.Namespace):
     import dataclasses
 
-    from megactx.train.recipe import RECIPES, SPARSE_INDEXER_KINDS
+    from megactx.train.recipe import INDEXER_KL_KINDS, RECIPES
 
     recipe = RECIPES["smoke" if args.smoke else args.recipe]()
     changes: dict[str, Any] = {}
@@ -161,7 +162,7 @@ def build_recipe(args: argparse.Namespace):
         indexer_kl["indexer_needle_weight"] = args.indexer_needle_weight
     if indexer_kl:
         recipe = dataclasses.replace(recipe, stages=[
-            dataclasses.replace(s, **indexer_kl) if s.kind in SPARSE_INDEXER_KINDS else s for s in recipe.stages])
+            dataclasses.replace(s, **indexer_kl) if s.kind in INDEXER_KL_KINDS else s for s in recipe.stages])
     if args.parallel:
         for stage in recipe.stages:
             stage.train = dataclasses.replace(stage.train, parallel=args.parallel)
