@@ -188,6 +188,42 @@ def test_needle_accuracy_is_counted_per_context_and_depth(generator, kind):
         assert report.holds_up_to() == CONTEXT and report.summary()["results"]["all"]["holds_up_to"] == CONTEXT
 
 
+def test_shards_run_the_whole_runs_cases_and_merge_back_into_it(generator):
+    from megactx.train.evaluate import NeedleReport, merge_needle_reports, parse_shard
+
+    run = dict(depth_buckets=2, batch_size=2)
+    whole = evaluate_needles(ANSWERERS["shallow"], generator, TASKS, [CONTEXT, 384], NUM_CASES, seed=2, **run)
+    shards = [evaluate_needles(ANSWERERS["shallow"], generator, TASKS, [CONTEXT, 384], NUM_CASES, seed=2,
+                               shard=(i, 2), **run) for i in (0, 1)]
+    # shard 0 of 2 runs cases 0, 2, 4 of each task and context: the whole run's, at the same depths
+    assert [o.index for o in shards[0].outcomes[:3]] == [0, 2, 4]
+    assert [o.depth for o in shards[0].outcomes[:3]] == pytest.approx(case_depths(NUM_CASES)[[0, 2, 4]].tolist())
+    assert shards[0].missing() == {(t.label, c): 2 for t in TASKS for c in (384, CONTEXT)}
+    assert "Partial" in shards[0].markdown() and "Partial" not in whole.markdown() and not whole.missing()
+    # a report read back from its JSON is the same report; the shards' JSON merge into the whole run's
+    back = [NeedleReport.from_json(json.loads(json.dumps(s.to_json()))) for s in shards]
+    assert back[0] == shards[0]
+    legacy = whole.to_json()
+    del legacy["num_cases"]  # written before the field: a whole run, its case count read off its outcomes
+    assert NeedleReport.from_json(legacy).num_cases == NUM_CASES
+    merged = merge_needle_reports(back[::-1])
+    assert merged.to_json() == whole.to_json() and merged.markdown() == whole.markdown()
+    # runs of other contexts join too; a case twice, or runs of different evaluations, do not
+    longer = evaluate_needles(ANSWERERS["shallow"], generator, TASKS, [640], NUM_CASES, seed=2, **run)
+    assert merge_needle_reports([whole, longer]).contexts == [384, CONTEXT, 640]
+    with pytest.raises(ValueError, match="two of the reports"):
+        merge_needle_reports([shards[0], whole])
+    other = evaluate_needles(ANSWERERS["shallow"], generator, TASKS, [CONTEXT], NUM_CASES, seed=3, shard=(1, 2), **run)
+    with pytest.raises(ValueError, match="differ in seed"):
+        merge_needle_reports([shards[0], other])
+    assert parse_shard("1/4") == (1, 4)
+    for bad in ("4/4", "1", "-1/2", "a/b"):
+        with pytest.raises(ValueError, match="--shard"):
+            parse_shard(bad)
+    with pytest.raises(ValueError, match="--shard 5/6 holds none"):
+        evaluate_needles(ANSWERERS["oracle"], generator, TASKS, [CONTEXT], NUM_CASES, seed=2, shard=(5, 6))
+
+
 def test_engine_answerer_is_the_reference_models_greedy_decode(checkpoint, generator):
     from megactx import LLM, load_model
     from megactx.train.evaluate import EngineAnswerer
@@ -223,6 +259,21 @@ def test_eval_needles_command_runs_the_engine_and_writes_reports(checkpoint, dat
     assert (out / "needles.md").read_text().startswith("# Needle retrieval")
     assert "indexer cache FP8" in (out / "needles.md").read_text()
     assert (out / "needles.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_eval_needles_shards_and_needles_merge_give_the_whole_runs_report(checkpoint, data, tmp_path, capsys):
+    run = ["eval", "needles", "--model", str(checkpoint), "--contexts", "256", "--cases", "3", "--seed", "1",
+           "--corpus", str(data.directory / "corpus"), "--device", "cpu", "--depth-buckets", "2"]
+    for name, extra in (("whole", []), ("s0", ["--shard", "0/2"]), ("s1", ["--shard", "1/2"])):
+        assert main([*run, *extra, "--out", str(tmp_path / name)]) == 0, capsys.readouterr().err
+    assert len(json.loads((tmp_path / "s0" / "needles.json").read_text())["outcomes"]) == 2
+    code = main(["eval", "needles-merge", str(tmp_path / "s1" / "needles.json"), str(tmp_path / "s0" / "needles.json"),
+                 "--out", str(tmp_path / "merged")])
+    assert code == 0, capsys.readouterr().err
+    for name in ("needles.json", "needles.md"):
+        assert (tmp_path / "merged" / name).read_text() == (tmp_path / "whole" / name).read_text()
+    assert main(["eval", "needles-merge", str(tmp_path / "s0" / "needles.md"), "--out", str(tmp_path / "bad")]) == 2
+    assert "not a needles.json" in capsys.readouterr().err
 
 
 def test_eval_needles_refuses_contexts_beyond_the_model(checkpoint, capsys):

@@ -3,6 +3,9 @@
     megactx eval bpb --model runs/dense --model runs/dsa --model runs/indexshare --contexts 4k --out runs/eval
     megactx eval needles --model runs/tiny/export --contexts 4k,16k,64k --cases 200 --seed 1 --out runs/eval
     megactx eval needle-recall --model runs/tiny/export --contexts 64k --cases 100   # indexer or attention?
+    megactx eval needles --model M --contexts 1m --shard 0/2 --out runs/eval/s0   # half the cases here,
+    megactx eval needles --model M --contexts 1m --shard 1/2 --out runs/eval/s1   # half there (another GPU),
+    megactx eval needles-merge runs/eval/s0/needles.json runs/eval/s1/needles.json --out runs/eval/1m
 
 Every evaluation takes --model, --contexts and --seed, so anyone can run it on fresh cases and on
 other checkpoints.
@@ -17,6 +20,8 @@ needles: `NeedleGenerator.cases(task, length, cases, seed)` per task and context
 with the engine (token-id prompts, temperature 0), exact match (`NeedleCase.is_correct`). A case at
 context L has a prompt of L minus the task's answer budget, so prompt and answer fit in L tokens.
 Writes needles.json, needles.md and needles.png (accuracy vs context; depth x context heatmaps).
+A shard (--shard I/N) runs cases I, I + N, I + 2N, ... of each task and context, the same cases as
+in the whole run; `needles-merge` joins shards' (or other contexts') needles.json into one report.
 """
 
 from __future__ import annotations
@@ -277,6 +282,31 @@ class NeedleReport:
     trained_length: int | None
     outcomes: list[NeedleOutcome] = field(default_factory=list)
     engine: str = ""  # how the answers were computed (backend, cache formats): a figure depends on it
+    num_cases: int = 0  # cases asked for a task and context (a shard holds some of them; 0: not recorded)
+
+    # what the reports of one evaluation share, so that their outcomes may be merged
+    SAME = ("model", "seed", "tasks", "depth_buckets", "threshold", "trained_length", "engine", "num_cases")
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> NeedleReport:
+        """The report that `to_json` wrote. Files from before num_cases was recorded (whole runs, no
+        shards) take the most cases any task and context has."""
+        trained = data["trained_length"]
+        outcomes = [NeedleOutcome(**o) for o in data["outcomes"]]
+        counts: dict[tuple[str, int], int] = {}
+        for o in outcomes:
+            counts[o.task, o.context] = counts.get((o.task, o.context), 0) + 1
+        return cls(data["model"], data["seed"], list(data["contexts"]), list(data["tasks"]), data["depth_buckets"],
+                   data["threshold"], trained["length"] if trained else None, outcomes, data.get("engine", ""),
+                   data.get("num_cases", max(counts.values(), default=0)))
+
+    def missing(self) -> dict[tuple[str, int], int]:
+        """(task, context) -> how many of its num_cases cases this report lacks (a shard's, or
+        nothing when num_cases is not recorded)."""
+        have = {(t, c): 0 for t in self.tasks for c in self.contexts}
+        for o in self.outcomes:
+            have[o.task, o.context] += 1
+        return {key: self.num_cases - n for key, n in have.items() if n < self.num_cases}
 
     def _select(self, task: str | None = None, context: int | None = None,
                 bucket: int | None = None) -> list[NeedleOutcome]:
@@ -324,7 +354,7 @@ class NeedleReport:
                        "passes": bool(within) and all(self.accuracy(None, c) >= self.threshold for c in within)}
         return {"model": self.model, "seed": self.seed, "contexts": self.contexts, "tasks": self.tasks,
                 "depth_buckets": self.depth_buckets, "threshold": self.threshold, "trained_length": trained,
-                "engine": self.engine, "results": rows}
+                "engine": self.engine, "num_cases": self.num_cases, "results": rows}
 
     def to_json(self) -> dict[str, Any]:
         return {**self.summary(), "outcomes": [asdict(o) for o in self.outcomes]}
@@ -350,6 +380,10 @@ class NeedleReport:
             lines += ["", f"Trained length {context_label(t['length'])}: {verdict} >= {self.threshold:.0%} "
                           f"at every context up to it; all tasks hold up to "
                           f"{context_label(holds) if holds else 'none'} of the contexts measured."]
+        if missing := self.missing():
+            some = ", ".join(f"{task} @ {context_label(c)}: {self.num_cases - n} of {self.num_cases}"
+                             for (task, c), n in missing.items())
+            lines += ["", f"Partial: cases run {some} (a shard; `megactx eval needles-merge` joins the others)."]
         lines += ["", f"Accuracy by depth of the asked needle (all tasks; rows: depth buckets of "
                       f"1/{self.depth_buckets})", "", f"| depth | {heads} |", "|---|" + "---:|" * len(self.contexts)]
         for b in range(self.depth_buckets):
@@ -390,47 +424,87 @@ class NeedleReport:
 
 
 def needle_cases(generator: NeedleGenerator, task: NeedleTask, context: int, num_cases: int,
-                 seed: int) -> Iterator[NeedleCase]:
-    """The cases of `task` at `context`: prompts of context - answer_budget(task) tokens."""
+                 seed: int, indices: Sequence[int] | None = None) -> Iterator[NeedleCase]:
+    """The cases of `task` at `context` (only `indices` of them, when given): prompts of
+    context - answer_budget(task) tokens."""
     prompt_len = context - answer_budget(task)
     if prompt_len < 1:
         raise ValueError(f"--contexts {context} is shorter than task {task.label}'s answer budget of "
                          f"{answer_budget(task)} tokens; use longer contexts")
-    return generator.cases(task, prompt_len, num_cases, seed)
+    return generator.cases(task, prompt_len, num_cases, seed, indices)
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """'1/4' -> (1, 4): shard 1 of 4 (0-based), or a ValueError that says the form."""
+    index, _, count = text.partition("/")
+    if not (index.strip().isdigit() and count.strip().isdigit()) or not 0 <= int(index) < int(count):
+        raise ValueError(f"--shard takes I/N with 0 <= I < N, e.g. 0/2 and 1/2 for two halves, got {text!r}")
+    return int(index), int(count)
 
 
 def evaluate_needles(answer: Answerer, generator: NeedleGenerator, tasks: Sequence[NeedleTask],
                      contexts: Sequence[int], num_cases: int, seed: int, model: str = "", batch_size: int = 8,
                      depth_buckets: int = DEFAULT_DEPTH_BUCKETS, threshold: float = DEFAULT_THRESHOLD,
                      trained_length: int | None = None, log: Callable[[str], object] | None = None,
-                     engine: str = "") -> NeedleReport:
+                     engine: str = "", shard: tuple[int, int] = (0, 1)) -> NeedleReport:
     """Run `num_cases` cases of every task at every context through `answer`, `batch_size` cases
     at a time (a 1M-token prompt is large: cases are made as they are needed), and score them by
-    exact match."""
+    exact match. shard (I, N): only cases I, I + N, ... of each task and context (their indices and
+    depths those of the whole run), for `merge_needle_reports` to join with the other shards."""
     if num_cases < 1:
         raise ValueError(f"--cases must be at least 1, got {num_cases}")
     if batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, got {batch_size}")
     if depth_buckets < 1:
         raise ValueError(f"--depth-buckets must be at least 1, got {depth_buckets}")
+    first, every = shard
+    indices = list(range(first, num_cases, every))
+    if not indices:
+        raise ValueError(f"--shard {first}/{every} holds none of the {num_cases} cases; use fewer shards")
     report = NeedleReport(model, seed, sorted(contexts), [t.label for t in tasks], depth_buckets, threshold,
-                          trained_length, engine=engine)
+                          trained_length, engine=engine, num_cases=num_cases)
     depths = case_depths(num_cases)
     for context in report.contexts:
         for task in tasks:
-            cases = needle_cases(generator, task, context, num_cases, seed)
-            index = 0
+            cases = zip(indices, needle_cases(generator, task, context, num_cases, seed, indices))
             while batch := [c for _, c in zip(range(batch_size), cases)]:
-                outputs = answer(batch)
-                for case, output in zip(batch, outputs, strict=True):
+                outputs = answer([case for _, case in batch])
+                for (index, case), output in zip(batch, outputs, strict=True):
                     report.outcomes.append(NeedleOutcome(task.label, context, index, float(depths[index]),
                                                          len(case.input_ids), case.answer, output,
                                                          case.is_correct(output)))
-                    index += 1
             if log:
                 log(f"{task.label} @ {context_label(context)}: {report.accuracy(task.label, context):.1%} "
-                    f"of {num_cases}")
+                    f"of {len(indices)}")
     return report
+
+
+def merge_needle_reports(reports: Sequence[NeedleReport]) -> NeedleReport:
+    """One report of the outcomes of several: the shards of one evaluation, or runs of it at other
+    contexts. They must agree on everything but their contexts and cases (NeedleReport.SAME), and
+    no case may come twice; a ValueError says what differs."""
+    if not reports:
+        raise ValueError("needles-merge needs at least one needles.json")
+    first = reports[0]
+    for other in reports[1:]:
+        for name in NeedleReport.SAME:
+            if getattr(other, name) != getattr(first, name):
+                raise ValueError(f"the reports differ in {name}: {getattr(first, name)!r} and "
+                                 f"{getattr(other, name)!r}; merge only runs of one evaluation")
+    seen, outcomes = set(), []
+    for report in reports:
+        for o in report.outcomes:
+            key = (o.task, o.context, o.index)
+            if key in seen:
+                raise ValueError(f"case {o.index} of {o.task} @ {context_label(o.context)} is in two of the "
+                                 "reports; merge each shard once")
+            seen.add(key)
+            outcomes.append(o)
+    order = {task: i for i, task in enumerate(first.tasks)}
+    outcomes.sort(key=lambda o: (o.context, order[o.task], o.index))
+    contexts = sorted({c for r in reports for c in r.contexts})
+    return NeedleReport(first.model, first.seed, contexts, first.tasks, first.depth_buckets, first.threshold,
+                        first.trained_length, outcomes, first.engine, first.num_cases)
 
 
 def write_needle_report(report: NeedleReport, out: str | Path) -> list[Path]:
@@ -501,8 +575,19 @@ def add_eval_parser(subparsers: Any) -> None:
     n.add_argument("--index-cache-dtype", choices=("auto", "fp8"), default=None,
                    help="indexer keys (and queries): fp8 as production runs them, or auto (exact, the model's "
                         "dtype, as training scores them) (default: fp8 on CUDA, auto on a CPU)")
+    n.add_argument("--shard", default=None, metavar="I/N",
+                   help="run only cases I, I + N, I + 2N, ... of each task and context (0 <= I < N), the same "
+                        "cases the whole run has; join the shards' needles.json with `megactx eval "
+                        "needles-merge` (default: every case)")
     common(n, None)
     n.set_defaults(func=run_needles)
+
+    m = kinds.add_parser("needles-merge", help="join needles.json of shards (or of other contexts) into one report",
+                         description="Join the needles.json of several runs of one needle evaluation (its "
+                                     "--shard parts, or other --contexts) into one report: JSON, Markdown, PNG.")
+    m.add_argument("reports", nargs="+", type=Path, metavar="NEEDLES_JSON", help="needles.json files to join")
+    m.add_argument("--out", type=Path, required=True, help="directory for the joined report")
+    m.set_defaults(func=run_needles_merge)
 
     from megactx.train.needle_recall import add_recall_parser
 
@@ -573,6 +658,7 @@ def run_needles(args: argparse.Namespace) -> int:
         if not 0.0 <= args.threshold <= 1.0:
             raise ValueError(f"--threshold must be an accuracy in [0, 1], got {args.threshold}")
         contexts = model_contexts(_checkpoint_dir(args.model), args.contexts)
+        shard = parse_shard(args.shard) if args.shard else (0, 1)
         if not (Path(args.model) / "tokenizer.json").is_file():
             raise ValueError(f"{args.model} has no tokenizer.json; needle cases are made with the model's tokenizer")
         corpus = held_out_corpus(Corpus.from_directory(args.corpus) if args.corpus else None)
@@ -582,11 +668,28 @@ def run_needles(args: argparse.Namespace) -> int:
                   index_cache_dtype=args.index_cache_dtype)
         report = evaluate_needles(EngineAnswerer(llm), generator, tasks, contexts, args.cases, args.seed,
                                   str(args.model), args.batch_size, args.depth_buckets, args.threshold,
-                                  args.trained_length, log=print, engine=engine_description(llm))
+                                  args.trained_length, log=print, engine=engine_description(llm), shard=shard)
     except (OSError, ValueError) as e:
         return _fail(str(e))
     print(report.markdown())
     out = args.out or Path("runs") / "eval" / Path(args.model).name
     for path in write_needle_report(report, out):
+        print(f"wrote {path}")
+    return 0
+
+
+def run_needles_merge(args: argparse.Namespace) -> int:
+    try:
+        reports = []
+        for path in args.reports:
+            try:
+                reports.append(NeedleReport.from_json(json.loads(path.read_text())))
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"{path} is not a needles.json of `megactx eval needles` ({e!r})") from None
+        report = merge_needle_reports(reports)
+    except (OSError, ValueError) as e:
+        return _fail(str(e))
+    print(report.markdown())
+    for path in write_needle_report(report, args.out):
         print(f"wrote {path}")
     return 0

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import random
 import string
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -287,13 +287,15 @@ class NeedleGenerator:
         input_ids = np.concatenate(pieces).tolist()
         return NeedleCase(input_ids, answer_ids, answer, question, tuple(placed), haystack_len, task)
 
-    def cases(self, task: NeedleTask, length: int, num_cases: int, seed: int) -> Iterator[NeedleCase]:
+    def cases(self, task: NeedleTask, length: int, num_cases: int, seed: int,
+              indices: Iterable[int] | None = None) -> Iterator[NeedleCase]:
         """`num_cases` evaluation cases at `length`, depths evenly spaced over [0, 1], made one at a
         time (200 prompts of 1M ids would not fit in memory at once). Case i depends only on
-        (seed, task, length, i) and its depth."""
+        (seed, task, length, i) and its depth. indices: only those cases of the num_cases, in that
+        order (a shard of an evaluation split over several runs)."""
         depths = np.linspace(0.0, 1.0, num_cases) if num_cases > 1 else np.array([0.5])
-        for i, d in enumerate(depths):
-            yield self.case(task, length, float(d), f"{seed}/{task.label}/{length}/{i}")
+        for i in range(num_cases) if indices is None else indices:
+            yield self.case(task, length, float(depths[i]), f"{seed}/{task.label}/{length}/{i}")
 
 
 class NeedleDataset(torch.utils.data.Dataset):
