@@ -187,7 +187,6 @@ def set_long_context(recipe, length: int) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-
     from megactx.train.recipe import export_model, find_max_context, run_recipe, stage_progress
     from megactx.train.trainer import CHECKPOINT, init_distributed
 

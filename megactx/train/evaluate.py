@@ -30,6 +30,7 @@ import argparse
 import json
 import math
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -292,21 +293,22 @@ class NeedleReport:
         """The report that `to_json` wrote. Files from before num_cases was recorded (whole runs, no
         shards) take the most cases any task and context has."""
         trained = data["trained_length"]
-        outcomes = [NeedleOutcome(**o) for o in data["outcomes"]]
-        counts: dict[tuple[str, int], int] = {}
-        for o in outcomes:
-            counts[o.task, o.context] = counts.get((o.task, o.context), 0) + 1
-        return cls(data["model"], data["seed"], list(data["contexts"]), list(data["tasks"]), data["depth_buckets"],
-                   data["threshold"], trained["length"] if trained else None, outcomes, data.get("engine", ""),
-                   data.get("num_cases", max(counts.values(), default=0)))
+        report = cls(data["model"], data["seed"], list(data["contexts"]), list(data["tasks"]), data["depth_buckets"],
+                     data["threshold"], trained["length"] if trained else None,
+                     [NeedleOutcome(**o) for o in data["outcomes"]], data.get("engine", ""))
+        report.num_cases = data.get("num_cases", max(report._counts().values(), default=0))
+        return report
+
+    def _counts(self) -> Counter[tuple[str, int]]:
+        """(task, context) -> the cases this report holds."""
+        return Counter((o.task, o.context) for o in self.outcomes)
 
     def missing(self) -> dict[tuple[str, int], int]:
         """(task, context) -> how many of its num_cases cases this report lacks (a shard's, or
         nothing when num_cases is not recorded)."""
-        have = {(t, c): 0 for t in self.tasks for c in self.contexts}
-        for o in self.outcomes:
-            have[o.task, o.context] += 1
-        return {key: self.num_cases - n for key, n in have.items() if n < self.num_cases}
+        have = self._counts()
+        return {(t, c): self.num_cases - have[t, c] for t in self.tasks for c in self.contexts
+                if have[t, c] < self.num_cases}
 
     def _select(self, task: str | None = None, context: int | None = None,
                 bucket: int | None = None) -> list[NeedleOutcome]:
