@@ -401,6 +401,15 @@ def test_hopper_kernel_follows_the_default_and_ws_fp8(monkeypatch, default, ws_f
     assert (hopper_kernel(False), hopper_kernel(True)) == expected
 
 
+def test_default_kernel_keeps_small_latents_on_triton(monkeypatch):
+    # where a Hopper kernel could serve, it is the default only from HOPPER_MIN_RANK on (GLM's r = 512);
+    # megactx-tiny's r = 64 prefilled faster on "triton"
+    monkeypatch.setattr(sparse_mla_module, "sm90_unsupported", lambda *args, **kwargs: "")
+    cache = torch.empty(1, 64, 1, dtype=torch.bfloat16)
+    for r, expected in ((64, "triton"), (256, "triton"), (512, hopper_kernel(False))):
+        assert sparse_mla_module.default_kernel(torch.empty(1, 4, r + 64, dtype=torch.bfloat16), cache, r) == expected
+
+
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("kernel", SM90_KERNELS)

@@ -101,6 +101,13 @@ SM90_SCRATCH_BYTES = 4096
 # cache follows HOPPER_DEFAULT_KERNEL = "sm90ws" too (False: FP8 stays on "sm90").
 HOPPER_DEFAULT_KERNEL = "sm90ws"
 WS_FP8 = True
+# The smallest kv_lora_rank the Hopper kernels are the default for. Their tiling is GLM's (64-head,
+# r = 512 tiles). On the H200 (2026-12-03, CUDA graphs, random top-k) at r = 512, K = 2048 they beat
+# "triton" at 8-64 heads (sm90ws: decode T = 64 49-57 us against 100-106, prefill T = 4096 2.8-3.1 ms
+# against 3.5-5.6); at megactx-tiny's r = 64, K = 128 "triton" prefilled faster at 4-64 heads (T = 4096:
+# 48-83 us against sm90's 80-100 and sm90ws's 146-164) and decoded as fast (5 us). Ranks in between
+# are unmeasured and stay on "triton".
+HOPPER_MIN_RANK = 512
 HOPPER_KERNELS = ("sm90", "sm90ws")  # Gluon, sm_90 only
 KERNELS = ("triton", *HOPPER_KERNELS)
 # The warp-specialized Hopper kernel ("sm90ws"): a producer partition of one warpgroup (the unit of
@@ -839,9 +846,11 @@ def hopper_kernel(fp8: bool) -> str:
 
 def default_kernel(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) -> str:
     """The kernel `sparse_mla` runs for q over kv_cache when none is asked for: the Hopper one
-    (`hopper_kernel`) where `sm90_unsupported` allows it, else "triton"."""
+    (`hopper_kernel`) at kv_lora_rank >= HOPPER_MIN_RANK where `sm90_unsupported` allows it, else
+    "triton"."""
     kernel = hopper_kernel(kv_cache.dtype == torch.uint8)
-    if kernel != "triton" and sm90_unsupported(q, kv_cache, kv_lora_rank, kernel=kernel):
+    if kernel != "triton" and (kv_lora_rank < HOPPER_MIN_RANK
+                               or sm90_unsupported(q, kv_cache, kv_lora_rank, kernel=kernel)):
         return "triton"
     return kernel
 
