@@ -36,6 +36,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_hf_overrides_argument(parser: argparse.ArgumentParser) -> None:
+    """--hf-overrides JSON (vLLM's flag): config fields changed before the model is built."""
+    parser.add_argument("--hf-overrides", type=_hf_overrides, default=None, metavar="JSON",
+                        help="change fields of the checkpoint's config.json before the model is built, nested "
+                             "objects merged key by key; e.g. '{\"rope_parameters\": {\"factor\": 32}}' serves "
+                             "megactx-tiny (trained at 64K with YaRN factor 16) past its trained length")
+
+
+def _hf_overrides(text: str) -> dict[str, Any]:
+    from megactx.config import ConfigError, parse_overrides
+
+    try:
+        return parse_overrides(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 # `megactx bench SUITE`: each suite is the module benchmarks.<SUITE>, which defines HELP, a module
 # docstring (the --help text), add_arguments(parser) and run(args) -> exit code. `engine` and
 # `spec` plug in by adding their names here.

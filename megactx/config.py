@@ -5,11 +5,16 @@ that change the computation, validated, with the derived per-layer schedules.
 name (`glm-5.2`, `glm-5.1`, `tiny`). Fields that the computation does not depend on (initializer
 range, architectures, transformers version, ...) are ignored; a field whose value we cannot honour
 is refused with a `ConfigError` that names it.
+
+`overrides` (`megactx serve/generate/eval --hf-overrides JSON`, vLLM's name) change fields of the
+checkpoint's config.json before it is read, nested dicts merged key by key; e.g. serving a model
+trained with YaRN factor 16 at factor 32: `{"rope_parameters": {"factor": 32}}`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 from dataclasses import dataclass, field
@@ -280,8 +285,9 @@ class ModelConfig:
         return cls(**{k: v for k, v in raw.items() if k in names})
 
     @classmethod
-    def from_pretrained(cls, path_or_preset: str | Path) -> ModelConfig:
-        """A checkpoint directory, a config.json, or a preset name (see `PRESETS`)."""
+    def from_pretrained(cls, path_or_preset: str | Path, overrides: dict[str, Any] | None = None) -> ModelConfig:
+        """A checkpoint directory, a config.json, or a preset name (see `PRESETS`); `overrides`
+        change its fields first (`apply_overrides`)."""
         p = Path(path_or_preset)
         if p.is_dir():
             p = p / "config.json"
@@ -296,7 +302,7 @@ class ModelConfig:
             raw = json.loads(p.read_text())
         except json.JSONDecodeError as e:
             raise ConfigError(f"{p} is not valid JSON: {e}") from None
-        return cls.from_dict(raw)
+        return cls.from_dict(apply_overrides(raw, overrides) if overrides else raw)
 
     def to_dict(self) -> dict[str, Any]:
         """A Hugging Face config dict that transformers and `from_dict` both read."""
@@ -329,6 +335,57 @@ class ModelConfig:
         if "num_hidden_layers" in changes and "indexer_types" not in changes:
             d["indexer_types"] = None
         return ModelConfig(**d)
+
+
+def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """A copy of the config dict `raw` with `overrides` applied: a dict value is merged into the
+    dict it replaces key by key, anything else replaces the value. Top-level keys must be fields
+    of `ModelConfig` (`rope_scaling` and `rope_theta` too, they land where `raw` keeps its rope),
+    so that a misspelt name is refused rather than silently ignored."""
+    if not isinstance(overrides, dict):
+        raise ConfigError(f"config overrides must be a JSON object, got {overrides!r}")
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    rope_key = "rope_scaling" if "rope_scaling" in raw and "rope_parameters" not in raw else "rope_parameters"
+    known = names | {"rope_scaling", "rope_theta"}
+    for name in sorted(set(overrides) - known):
+        close = difflib.get_close_matches(name, known, n=1)
+        raise ConfigError(f"config overrides name an unknown field {name!r}"
+                          + (f"; did you mean {close[0]!r}?" if close else "; see megactx.config.ModelConfig"))
+
+    def merge(old: Any, new: Any) -> Any:
+        if isinstance(old, dict) and isinstance(new, dict):
+            return {**old, **{k: merge(old.get(k), v) for k, v in new.items()}}
+        return new
+
+    out = dict(raw)
+    for key, value in overrides.items():
+        key = rope_key if key in ("rope_scaling", "rope_parameters") else key
+        if key == "rope_theta" and isinstance(out.get(rope_key), dict):
+            out[rope_key] = {**out[rope_key], "rope_theta": value}
+        out[key] = merge(out.get(key), value)
+    return out
+
+
+def describe_overrides(overrides: dict[str, Any] | None) -> str:
+    """{"rope_parameters": {"factor": 32}} -> "rope_parameters.factor=32", for reports ('' for none)."""
+    def flat(prefix: str, value: Any) -> list[str]:
+        if isinstance(value, dict) and value:
+            return [item for k, v in value.items() for item in flat(f"{prefix}.{k}" if prefix else k, v)]
+        return [f"{prefix}={json.dumps(value)}"]
+
+    return ", ".join(flat("", overrides)) if overrides else ""
+
+
+def parse_overrides(text: str) -> dict[str, Any]:
+    """--hf-overrides: a JSON object of config fields (see `apply_overrides`)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--hf-overrides is not valid JSON ({e}); e.g. '{{\"rope_parameters\": "
+                          f"{{\"factor\": 32}}}}'") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"--hf-overrides must be a JSON object of config fields, got {text!r}")
+    return value
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:

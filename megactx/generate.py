@@ -133,6 +133,8 @@ def stream_completion(llm, prompt_ids: list[int], params, out: TextIO) -> Comple
 
 # ------------------------------------------------------------------------------ CLI
 def add_generate_parser(sub) -> None:
+    from megactx.cli import add_hf_overrides_argument
+
     p = sub.add_parser("generate", help="complete one prompt, streaming the text as it is generated",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt", required=True,
@@ -158,6 +160,7 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads on a CPU (default 1: a small model's ops are too small to split; raise it "
                         "for a large checkpoint)")
+    add_hf_overrides_argument(p)
     p.set_defaults(func=run_generate)
 
 
@@ -267,7 +270,7 @@ def run_generate(args: argparse.Namespace, stdin: TextIO | None = None, stdout: 
 
     try:
         path, _ = resolve_model(args.model, say)
-        cfg = ModelConfig.from_pretrained(path)
+        cfg = ModelConfig.from_pretrained(path, args.hf_overrides)
         if not (path / "tokenizer.json").is_file():
             raise ValueError(f"{path} has no tokenizer.json: generate needs the checkpoint's tokenizer to encode "
                              "--prompt")
@@ -283,7 +286,8 @@ def run_generate(args: argparse.Namespace, stdin: TextIO | None = None, stdout: 
         with cpu_threads(args.threads, device):
             start = time.perf_counter()
             # one request: a warm-up of every step shape would take longer than the shapes it meets
-            llm = LLM(path, device=device, dtype=dtype, max_model_len=max_model_len, max_num_seqs=1, warm_up=False)
+            llm = LLM(path, device=device, dtype=dtype, max_model_len=max_model_len, max_num_seqs=1, warm_up=False,
+                      hf_overrides=args.hf_overrides)
             dtype_name = str(llm.model.dtype).removeprefix("torch.")
             say(f"loaded {path} on {llm.device} ({dtype_name}) in {time.perf_counter() - start:.1f} s")
             done = stream_completion(llm, prompt_ids, params, stdout)

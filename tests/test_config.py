@@ -92,3 +92,32 @@ def test_invalid_json_is_reported(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
         ModelConfig.from_pretrained(tmp_path)
+
+
+def test_overrides_merge_nested_fields_and_refuse_unknown_names(tmp_path):
+    from megactx.config import apply_overrides, describe_overrides, parse_overrides
+
+    raw = ModelConfig.from_pretrained("tiny").to_dict()
+    factor = 16.0
+    raw["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e6, "factor": factor, "mscale": 1.0,
+                              "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    cfg = ModelConfig.from_pretrained(tmp_path, {"rope_parameters": {"factor": 2 * factor}, "index_topk": 512})
+    assert cfg.rope_parameters == {**raw["rope_parameters"], "factor": 2 * factor}  # the other yarn fields kept
+    assert cfg.index_topk == 512 and raw["index_topk"] != 512  # the checkpoint's dict untouched
+    assert cfg.softmax_scale > ModelConfig.from_dict(raw).softmax_scale  # YaRN's mscale follows the factor
+    # `rope_scaling` (the older name) lands where the checkpoint keeps its rope, and so does rope_theta
+    assert apply_overrides(raw, {"rope_scaling": {"factor": 8}})["rope_parameters"]["factor"] == 8
+    assert ModelConfig.from_dict(apply_overrides(raw, {"rope_theta": 5e5})).rope_theta == 5e5
+    legacy = {**{k: v for k, v in raw.items() if k != "rope_parameters"}, "rope_scaling": raw["rope_parameters"]}
+    assert ModelConfig.from_dict(apply_overrides(legacy, {"rope_parameters": {"factor": 8}})).rope_parameters[
+        "factor"] == 8
+    with pytest.raises(ConfigError, match="unknown field 'index_top_k'; did you mean 'index_topk'"):
+        apply_overrides(raw, {"index_top_k": 512})
+    with pytest.raises(ConfigError, match="not valid JSON.*factor"):
+        parse_overrides("{rope_parameters: 1}")
+    with pytest.raises(ConfigError, match="JSON object"):
+        parse_overrides("[1]")
+    assert describe_overrides({"rope_parameters": {"factor": 32}, "index_topk": 512}) == (
+        "rope_parameters.factor=32, index_topk=512")
+    assert describe_overrides(None) == ""

@@ -246,11 +246,14 @@ def test_eval_needles_command_runs_the_engine_and_writes_reports(checkpoint, dat
     out = tmp_path / "needles"
     code = main(["eval", "needles", "--model", str(checkpoint), "--contexts", "256", "--cases", "2", "--seed", "1",
                  "--tasks", "single", "--corpus", str(data.directory / "corpus"), "--out", str(out),
-                 "--device", "cpu", "--trained-length", "256", "--depth-buckets", "2", "--index-cache-dtype", "fp8"])
+                 "--device", "cpu", "--trained-length", "256", "--depth-buckets", "2", "--index-cache-dtype", "fp8",
+                 "--hf-overrides", '{"rope_parameters": {"rope_theta": 20000}}'])
     assert code == 0, capsys.readouterr().err
     report = json.loads((out / "needles.json").read_text())
-    # the figure says what computed it: FP8 indexer keys change which keys a query selects
-    assert report["engine"] == "PyTorch twins of the kernels, MLA cache float32, indexer cache FP8"
+    # the figure says what computed it: FP8 indexer keys change which keys a query selects, and a
+    # config override (here the rope base) changes the model
+    assert report["engine"] == ("PyTorch twins of the kernels, MLA cache float32, indexer cache FP8, "
+                                "config rope_parameters.rope_theta=20000")
     outcomes = report["outcomes"]
     assert len(outcomes) == 2 and all(o["context"] == 256 for o in outcomes)
     assert [o["correct"] for o in outcomes] == [o["output"].strip() == o["answer"] for o in outcomes]

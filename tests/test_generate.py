@@ -175,3 +175,19 @@ def test_generates_on_the_gpu(ckpt, capsys):
     assert code == 0, err
     assert "on cuda" in err and "(bfloat16)" in err
     assert "16 tokens in" in err and "finish: length" in err
+
+
+def test_hf_overrides_change_the_config_before_the_model_is_built(ckpt, capsys):
+    # the override reaches the context check: 16 positions cannot hold the prompt and 100 tokens
+    code, _, err = _generate(capsys, "--model", str(ckpt), "--prompt", PROMPT, "--max-tokens", "100",
+                             "--hf-overrides", '{"max_position_embeddings": 16}')
+    assert code == 2 and "--max-tokens" in err
+    # an override that no longer fits the weights is refused by the loader, naming a tensor
+    code, _, err = _generate(capsys, "--model", str(ckpt), "--prompt", PROMPT, "--hf-overrides",
+                             '{"hidden_size": 96}')
+    assert code == 2 and "shape" in err
+    code, _, err = _generate(capsys, "--model", str(ckpt), "--prompt", PROMPT, "--hf-overrides", '{"hiden_size": 1}')
+    assert code == 2 and "did you mean 'hidden_size'" in err
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", str(ckpt), "--prompt", PROMPT, "--hf-overrides", "{not json"])
+    assert e.value.code == 2 and "--hf-overrides is not valid JSON" in capsys.readouterr().err

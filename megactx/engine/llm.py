@@ -125,6 +125,9 @@ class LLM:
     """The paged-KV inference engine (continuous batching, chunked prefill, prefix caching).
 
     model: a checkpoint directory, or a `Transformer` already built (tests, benchmarks).
+    hf_overrides: config fields changed before a checkpoint directory's model is built
+    (`megactx.config.apply_overrides`), e.g. {"rope_parameters": {"factor": 32}} to serve a model
+    past its trained context with a larger YaRN factor.
     tokenizer: a directory with tokenizer.json (default: the checkpoint's, if it has one); without
     one, prompts must be token ids and outputs carry no text.
     device / dtype: default CUDA + bf16 when available, else CPU + fp32. backend: "triton" on CUDA,
@@ -166,7 +169,7 @@ class LLM:
                  chunked_prefill: bool = True, cuda_graphs: bool = True, num_speculative_tokens: int = 0,
                  mtp_mode: str = "auto", draft_acceptance: str = "rejection", seed: int = 0,
                  async_scheduling: bool | None = None, warm_up: bool | None = None,
-                 step_log: str | Path | None = None):
+                 step_log: str | Path | None = None, hf_overrides: dict | None = None):
         if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be an int >= 0 (0 = no speculative decoding), "
                              f"got {num_speculative_tokens!r}")
@@ -179,14 +182,17 @@ class LLM:
         dtype = dtype or (torch.bfloat16 if on_cuda else torch.float32)
         self.backend = backend or ("triton" if on_cuda else "torch")
         if isinstance(model, Transformer):
+            if hf_overrides:
+                raise ValueError("hf_overrides applies to a checkpoint directory; this model is already built")
             self.model = model.to(device).eval()
             source = None
         else:
             from megactx.model.weights import load_model
 
-            self.model = load_model(model, device=device, dtype=dtype)
+            self.model = load_model(model, device=device, dtype=dtype, hf_overrides=hf_overrides)
             source = Path(model)
         self.cfg = self.model.cfg
+        self.hf_overrides = dict(hf_overrides or {})
         tok_dir = Path(tokenizer) if tokenizer else source
         self.tokenizer = Tokenizer(tok_dir) if tok_dir and (tok_dir / "tokenizer.json").is_file() else None
         self.eos_token_ids = list(self.cfg.eos_token_id)

@@ -119,20 +119,21 @@ def _describe(names: list[str], limit: int = 12) -> str:
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               backend: str = "torch", strict: bool = True) -> Transformer:
+               backend: str = "torch", strict: bool = True, hf_overrides: dict | None = None) -> Transformer:
     """Load a `glm_moe_dsa` / `deepseek_v32` checkpoint directory into a `Transformer`.
 
     backend: "torch" (the pure-PyTorch reference) or "triton" (calling the model runs the paged
     path through the Triton kernels; see `Transformer.set_backend` for its cache dtypes). strict:
     refuse missing or unexpected tensors (else they are reported on stderr and missing ones keep
-    uninitialised values).
+    uninitialised values). hf_overrides: config fields changed before the model is built
+    (`megactx.config.apply_overrides`), e.g. {"rope_parameters": {"factor": 32}}.
     """
     if backend not in ("torch", "triton"):
         raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
     directory = Path(path)
     if not directory.is_dir():
         raise FileNotFoundError(f"{path} is not a checkpoint directory (config.json + *.safetensors)")
-    cfg = ModelConfig.from_pretrained(directory)
+    cfg = ModelConfig.from_pretrained(directory, hf_overrides)
     with torch.device("meta"):
         model = Transformer(cfg)
     model.to_empty(device=device)

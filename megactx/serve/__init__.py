@@ -63,6 +63,7 @@ def settle_heap(gc_threshold: int = 0) -> None:
 def add_serve_parser(subparsers) -> None:
     """Register `serve` on an argparse subparsers object. Flags mirror LLM's constructor; their
     defaults are LLM's own."""
+    from megactx.cli import add_hf_overrides_argument
     from megactx.engine.llm import LLM
     from megactx.engine.spec_decode import DRAFT_ACCEPTANCE, MTP_MODES
     from megactx.serve.async_engine import DEFAULT_MAX_HANDOVERS_PER_S
@@ -136,6 +137,7 @@ def add_serve_parser(subparsers) -> None:
                         f"{DEFAULT_GC_THRESHOLD})")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info",
                    help="log level of the server and of its one-line-a-request log (default info)")
+    add_hf_overrides_argument(p)
     p.set_defaults(func=run_serve)
 
 
@@ -158,7 +160,7 @@ def _max_model_len(path: Path, args: argparse.Namespace) -> int | None:
         on_cpu = False
     if args.max_model_len is not None or not on_cpu:
         return args.max_model_len
-    return min(ModelConfig.from_pretrained(path).max_position_embeddings, CPU_MAX_MODEL_LEN)
+    return min(ModelConfig.from_pretrained(path, args.hf_overrides).max_position_embeddings, CPU_MAX_MODEL_LEN)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -195,7 +197,7 @@ def run_serve(args: argparse.Namespace) -> int:
     gamma = args.num_speculative_tokens
     try:
         if gamma is None:
-            has_mtp = ModelConfig.from_pretrained(path).num_nextn_predict_layers > 0
+            has_mtp = ModelConfig.from_pretrained(path, args.hf_overrides).num_nextn_predict_layers > 0
             gamma = DEFAULT_NUM_SPECULATIVE_TOKENS if has_mtp else 0
         engine_args = dict(model=str(path), device=args.device,
                            dtype=None if args.dtype == "auto" else getattr(torch, args.dtype),
@@ -204,7 +206,7 @@ def run_serve(args: argparse.Namespace) -> int:
                            gpu_memory_utilization=args.gpu_memory_utilization,
                            num_speculative_tokens=gamma, mtp_mode=args.mtp_mode,
                            draft_acceptance=args.draft_acceptance, async_scheduling=args.async_scheduling,
-                           warm_up=args.warm_up, step_log=args.step_log)
+                           warm_up=args.warm_up, step_log=args.step_log, hf_overrides=args.hf_overrides)
         if args.engine_process:
             from megactx.serve.engine_process import SWITCH_INTERVAL_S, EngineFailed, EngineProcess
 

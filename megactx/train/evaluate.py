@@ -149,17 +149,20 @@ def bits_per_byte_of(model: Callable[[torch.Tensor], torch.Tensor], rows: torch.
 
 def evaluate_bpb(model_dir: str | Path, contexts: Sequence[int], seed: int = 0, data_dir: str | Path | None = None,
                  batch_size: int = 8, max_tokens: int | None = None, device: str | None = None,
-                 dtype: torch.dtype | None = None, backend: str = "torch",
-                 log: Callable[[str], object] = print) -> list[dict[str, Any]]:
+                 dtype: torch.dtype | None = None, backend: str = "torch", log: Callable[[str], object] = print,
+                 hf_overrides: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """One result dict (see `bits_per_byte_of`, plus "model", "context", "seed") per context for
-    the checkpoint `model_dir` (which must hold its tokenizer.json)."""
+    the checkpoint `model_dir` (which must hold its tokenizer.json); hf_overrides: config fields
+    changed first (`megactx.config.apply_overrides`), named in "model"."""
+    from megactx.config import describe_overrides
     from megactx.model.weights import load_model
     from megactx.train.tokenizer import load_tokenizer, token_byte_lengths
 
     device = device or _default_device()
     dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
     tokenizer = load_tokenizer(model_dir)
-    model = load_model(model_dir, device=device, dtype=dtype, backend=backend)
+    model = load_model(model_dir, device=device, dtype=dtype, backend=backend, hf_overrides=hf_overrides)
+    name = f"{model_dir} ({describe_overrides(hf_overrides)})" if hf_overrides else str(model_dir)
     if tokenizer.get_vocab_size() > model.cfg.vocab_size:
         raise ValueError(f"{model_dir}: tokenizer.json has {tokenizer.get_vocab_size()} tokens but the model only "
                          f"{model.cfg.vocab_size}; the checkpoint's tokenizer does not belong to it")
@@ -168,8 +171,8 @@ def evaluate_bpb(model_dir: str | Path, contexts: Sequence[int], seed: int = 0, 
     for seq_len in contexts:
         rows = held_out_rows(tokenizer, seq_len, seed, data_dir)
         result = bits_per_byte_of(model, rows, byte_lengths, batch_size, max_tokens, device)
-        results.append({"model": str(model_dir), "context": seq_len, "seed": seed, **result})
-        log(f"{model_dir} @ {context_label(seq_len)}: {result['bits_per_byte']:.4f} bits/byte "
+        results.append({"model": name, "context": seq_len, "seed": seed, **result})
+        log(f"{name} @ {context_label(seq_len)}: {result['bits_per_byte']:.4f} bits/byte "
             f"({result['tokens']} tokens, {result['bytes']} bytes)")
     return results
 
@@ -532,6 +535,8 @@ def parse_tasks(text: str) -> list[NeedleTask]:
 def add_eval_parser(subparsers: Any) -> None:
     """Register `eval` with its `bpb`, `needles` and `needle-recall` subcommands on an argparse
     subparsers object."""
+    from megactx.cli import add_hf_overrides_argument
+
     p = subparsers.add_parser("eval", help="evaluate a checkpoint: held-out bits per byte, needle retrieval",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     kinds = p.add_subparsers(dest="evaluation", metavar="EVALUATION")
@@ -546,6 +551,7 @@ def add_eval_parser(subparsers: Any) -> None:
         sp.add_argument("--batch-size", type=int, default=8, help="rows / cases in flight at once (default 8)")
         sp.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
         sp.add_argument("--out", type=Path, default=None, help="directory for the JSON + Markdown (+ PNG) reports")
+        add_hf_overrides_argument(sp)
 
     b = kinds.add_parser("bpb", help="held-out bits per byte (one or several checkpoints)",
                          description="Held-out bits per byte of the code corpus, reference forward, no grad.")
@@ -601,9 +607,12 @@ def engine_description(llm) -> str:
     def name(dtype: torch.dtype) -> str:
         return "FP8" if dtype == torch.uint8 else str(dtype).removeprefix("torch.")
 
+    from megactx.config import describe_overrides
+
     cache = llm.runner.cache
     kernels = "Triton kernels" if llm.backend == "triton" else "PyTorch twins of the kernels"
-    return f"{kernels}, MLA cache {name(cache.kv_dtype)}, indexer cache {name(cache.index_dtype)}"
+    overrides = f", config {describe_overrides(llm.hf_overrides)}" if llm.hf_overrides else ""
+    return f"{kernels}, MLA cache {name(cache.kv_dtype)}, indexer cache {name(cache.index_dtype)}{overrides}"
 
 
 def _checkpoint_dir(model: str | Path) -> Path:
@@ -624,7 +633,7 @@ def run_bpb(args: argparse.Namespace) -> int:
         results = []
         for model in map(_checkpoint_dir, args.model):
             results += evaluate_bpb(model, contexts, args.seed, args.data_dir, args.batch_size, args.max_tokens,
-                                    args.device, backend=args.backend)
+                                    args.device, backend=args.backend, hf_overrides=args.hf_overrides)
     except (OSError, ValueError) as e:
         return _fail(str(e))
     for r in results:
@@ -637,12 +646,12 @@ def run_bpb(args: argparse.Namespace) -> int:
     return 0
 
 
-def model_contexts(model_dir: Path, text: str | None) -> list[int]:
+def model_contexts(model_dir: Path, text: str | None, hf_overrides: dict[str, Any] | None = None) -> list[int]:
     """--contexts of a needle evaluation (default: CONTEXT_LADDER up to the model's context), or a
     ValueError if one is longer than the model's context."""
     from megactx import ModelConfig
 
-    limit = ModelConfig.from_pretrained(model_dir).max_position_embeddings
+    limit = ModelConfig.from_pretrained(model_dir, hf_overrides).max_position_embeddings
     contexts = parse_contexts(text) if text else [c for c in CONTEXT_LADDER if c <= limit]
     if not contexts or max(contexts) > limit:
         raise ValueError(f"--contexts must be at most the model's context of {limit} tokens, got "
@@ -659,7 +668,7 @@ def run_needles(args: argparse.Namespace) -> int:
         tasks = parse_tasks(args.tasks)
         if not 0.0 <= args.threshold <= 1.0:
             raise ValueError(f"--threshold must be an accuracy in [0, 1], got {args.threshold}")
-        contexts = model_contexts(_checkpoint_dir(args.model), args.contexts)
+        contexts = model_contexts(_checkpoint_dir(args.model), args.contexts, args.hf_overrides)
         shard = parse_shard(args.shard) if args.shard else (0, 1)
         if not (Path(args.model) / "tokenizer.json").is_file():
             raise ValueError(f"{args.model} has no tokenizer.json; needle cases are made with the model's tokenizer")
@@ -667,7 +676,7 @@ def run_needles(args: argparse.Namespace) -> int:
         generator = needle_generator(args.model, "held_out", corpus)
         llm = LLM(args.model, device=args.device, max_model_len=max(contexts), max_num_seqs=args.batch_size,
                   max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype,
-                  index_cache_dtype=args.index_cache_dtype)
+                  index_cache_dtype=args.index_cache_dtype, hf_overrides=args.hf_overrides)
         report = evaluate_needles(EngineAnswerer(llm), generator, tasks, contexts, args.cases, args.seed,
                                   str(args.model), args.batch_size, args.depth_buckets, args.threshold,
                                   args.trained_length, log=print, engine=engine_description(llm), shard=shard)
