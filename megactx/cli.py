@@ -36,12 +36,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def add_hf_overrides_argument(parser: argparse.ArgumentParser) -> None:
+def add_hf_overrides_argument(parser: argparse.ArgumentParser, help: str | None = None) -> None:
     """--hf-overrides JSON (vLLM's flag): config fields changed before the model is built."""
     parser.add_argument("--hf-overrides", type=_hf_overrides, default=None, metavar="JSON",
-                        help="change fields of the checkpoint's config.json before the model is built, nested "
-                             "objects merged key by key; e.g. '{\"rope_parameters\": {\"factor\": 32}}' serves "
-                             "megactx-tiny (trained at 64K with YaRN factor 16) past its trained length")
+                        help=help or "change fields of the checkpoint's config.json before the model is built, "
+                                     "nested objects merged key by key; e.g. '{\"rope_parameters\": {\"factor\": "
+                                     "32}}' serves megactx-tiny (trained at 64K with YaRN factor 16) past its trained "
+                                     "length")
 
 
 def _hf_overrides(text: str) -> dict[str, Any]:

@@ -851,6 +851,15 @@ def test_train_cli_overrides_reach_the_recipe():
             build_recipe(parse(["train", "--recipe", "tiny", "--stage-steps", bad]))
     with pytest.raises(ValueError, match="--pattern.*8 letters"):
         build_recipe(parse(["train", "--recipe", "tiny", "--pattern", "FSS"]))
+    # a deeper model: the layer schedules follow the new depth, the other fields stay the recipe's
+    recipe = build_recipe(parse(["train", "--recipe", "tiny", "--pattern", "FSSS" * 4, "--hf-overrides",
+                                 '{"num_hidden_layers": 16, "n_routed_experts": 4, "rope_parameters": {"factor": 8}}']))
+    cfg, tiny = recipe.model, tiny_recipe().model
+    assert (cfg.num_hidden_layers, cfg.n_routed_experts, cfg.full_layers) == (16, 4, [0, 4, 8, 12])
+    assert len(cfg.mlp_layer_types) == 16 and cfg.hidden_size == tiny.hidden_size
+    assert cfg.rope_parameters == {**tiny.rope_parameters, "factor": 8}
+    with pytest.raises(ValueError, match="did you mean 'num_hidden_layers'"):
+        build_recipe(parse(["train", "--recipe", "tiny", "--hf-overrides", '{"num_layers": 16}']))
     from megactx.train.recipe import loss_config
 
     recipe = build_recipe(parse(["train", "--recipe", "tiny", "--select-fp8"]))

@@ -25,6 +25,7 @@ AUTO_CONTEXTS = tuple(1 << p for p in range(16, 21))  # --context auto tries 64K
 
 def add_train_parser(subparsers: Any) -> None:
     """Register `train` on an argparse subparsers object."""
+    from megactx.cli import add_hf_overrides_argument
     from megactx.train.recipe import RECIPES, STAGE_KINDS
 
     p = subparsers.add_parser("train", help="train a model with the DSA / IndexShare recipe (resumable stages)",
@@ -82,6 +83,10 @@ def add_train_parser(subparsers: Any) -> None:
                    help="IndexShare pattern from the warmup stage on, one letter a layer: F runs its indexer, S "
                         "reuses the top-k of the nearest F below (the model's index_topk_pattern; default: the "
                         "recipe's, e.g. FSSSSSSF for tiny); give the same one when resuming a run")
+    add_hf_overrides_argument(p, help="change fields of the recipe's model config, nested objects merged key by "
+                                      "key, e.g. a deeper megactx-tiny: '{\"num_hidden_layers\": 16, "
+                                      "\"n_routed_experts\": 4}' with --pattern FSSSFSSSFSSSFSSS; give the same "
+                                      "ones when resuming a run")
     p.add_argument("--init", type=Path, default=None, metavar="MODEL_DIR",
                    help="start the first of --stages from this model directory's weights instead of the previous "
                         "stage's checkpoint, e.g. more extend steps on a shipped model: --stages extend --init "
@@ -130,6 +135,12 @@ def build_recipe(args: argparse.Namespace):
     if args.seed is not None:
         changes["seed"] = args.seed
     model: dict[str, Any] = {}
+    if args.hf_overrides:
+        from megactx.config import apply_overrides
+
+        before = recipe.model.to_dict()
+        after = apply_overrides(before, args.hf_overrides)
+        model.update({k: v for k, v in after.items() if v != before.get(k) and k != "rope_theta"})
     if args.topk is not None:
         if args.topk < 1:
             raise ValueError(f"--topk must be a positive number of keys, got {args.topk}")
@@ -142,7 +153,7 @@ def build_recipe(args: argparse.Namespace):
         try:
             changes["model"] = recipe.model.replace(**model)
         except ConfigError as e:
-            raise ValueError(f"--pattern: {e}") from None
+            raise ValueError(f"--pattern / --topk / --hf-overrides: {e}") from None
     recipe = dataclasses.replace(recipe, **changes)
     if args.steps_scale != 1.0:
         recipe = recipe.scaled(args.steps_scale)
