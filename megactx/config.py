@@ -347,9 +347,10 @@ def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str,
     names = {f.name for f in dataclasses.fields(ModelConfig)}
     rope_key = "rope_scaling" if "rope_scaling" in raw and "rope_parameters" not in raw else "rope_parameters"
     known = names | {"rope_scaling", "rope_theta"}
-    for name in sorted(set(overrides) - known):
-        close = difflib.get_close_matches(name, known, n=1)
-        raise ConfigError(f"config overrides name an unknown field {name!r}"
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], known, n=1)
+        raise ConfigError(f"config overrides name an unknown field {unknown[0]!r}"
                           + (f"; did you mean {close[0]!r}?" if close else "; see megactx.config.ModelConfig"))
 
     def merge(old: Any, new: Any) -> Any:
