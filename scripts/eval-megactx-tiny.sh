@@ -3,7 +3,7 @@
 #
 #   scripts/eval-megactx-tiny.sh [RUN] [OUT]     # default RUN=runs/tiny, OUT=RUN/eval
 #
-# Environment: PARTS (which of bpb,search,needles,recall to run; default all), SEED (0), CASES (200 needle cases a task and context), CONTEXTS (needle contexts,
+# Environment: PARTS (which of bpb,search,needles,needles-yarn,recall to run; default all), SEED (0), CASES (200 needle cases a task and context), CONTEXTS (needle contexts,
 # default 4k,16k,64k,128k,256k: the trained 64K and past it), BPB_CONTEXTS (1k,4k), INDEX_CACHE_DTYPE
 # (the needles' indexer cache: fp8, the default on CUDA, or auto = exact, as training scores). Longer needle
 # contexts (512k, 1m) take minutes each: run them apart with `megactx eval needles --contexts`.
@@ -15,6 +15,8 @@
 #   3. needle retrieval of the shipped model up to and past its trained length (NEEDLE_MODEL: another
 #      directory with the same backbone, e.g. a bf16 export of the extend stage, so that the needles
 #      may run while the MTP variants train; the MTP stages leave the backbone untouched)
+#   3b. the same needles served with YaRN factor YARN_FACTOR (default 32) instead of the trained 16,
+#      through --hf-overrides: how far past its trained length the model finds them then
 #   4. needle recall at RECALL_CONTEXTS (default 16k,64k), 100 cases each: for the missed needles,
 #      whether the retrieving layer's indexer dropped a needle token or the attention missed it
 set -euo pipefail
@@ -23,7 +25,7 @@ RUN=${1:-runs/tiny}
 OUT=${2:-$RUN/eval}
 SEED=${SEED:-0}
 CASES=${CASES:-200}
-PARTS=${PARTS:-bpb,search,needles,recall}
+PARTS=${PARTS:-bpb,search,needles,needles-yarn,recall}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 stamp() { echo "[$(date +%H:%M:%S)] $*"; }
@@ -47,6 +49,13 @@ stamp "needles"
 "$PY" -m megactx eval needles --model "${NEEDLE_MODEL:-$RUN/export/megactx-tiny}" --seed "$SEED" --cases "$CASES" \
   --contexts "${CONTEXTS:-4k,16k,64k,128k,256k}" --trained-length 65536 --batch-size 32 \
   --max-num-batched-tokens 65536 ${INDEX_CACHE_DTYPE:+--index-cache-dtype "$INDEX_CACHE_DTYPE"} --out "$OUT/needles"
+fi
+if part needles-yarn; then
+stamp "needles served with a larger YaRN factor (same weights)"
+"$PY" -m megactx eval needles --model "${NEEDLE_MODEL:-$RUN/export/megactx-tiny}" --seed "$SEED" --cases "$CASES" \
+  --contexts "${CONTEXTS:-4k,16k,64k,128k,256k}" --trained-length 65536 --batch-size 32 \
+  --max-num-batched-tokens 65536 --hf-overrides "{\"rope_parameters\": {\"factor\": ${YARN_FACTOR:-32}}}" \
+  ${INDEX_CACHE_DTYPE:+--index-cache-dtype "$INDEX_CACHE_DTYPE"} --out "$OUT/needles-yarn${YARN_FACTOR:-32}"
 fi
 if part recall; then
 stamp "needle recall"

@@ -54,9 +54,17 @@ def test_report_of_a_partial_run_says_what_is_missing(tmp_path):
     (stage / "init.json").write_text(json.dumps({"init": "models/megactx-tiny", "weights_sha256": "ab" * 32}))
     (run / "eval" / "needle-recall").mkdir(parents=True)
     (run / "eval" / "needle-recall" / "needle_recall.md").write_text("# Needle recall of the indexers: m\n\nx\n")
+    served = run / "eval" / "needles-yarn32"
+    served.mkdir()
+    (served / "needles.md").write_text("# Needle retrieval: m\n\nconfig rope_parameters.factor=32\n")
+    (served / "needles.png").write_bytes(b"\x89PNG")
     path = write_report(run, tmp_path / "docs")
     text = path.read_text()
     assert "#### Needle recall of the indexers: m" in text  # under the needle section
+    # the same model served with another YaRN factor, under the needle section, with its figure
+    assert "#### Needle retrieval: m\n\nconfig rope_parameters.factor=32" in text
+    assert "![needles-yarn32.png](megactx-tiny/needles-yarn32.png)" in text
+    assert text.index("#### Needle retrieval: m") < text.index("## IndexShare search")
     assert "Stage `dense` started from the weights of `models/megactx-tiny` (sha256 `abababababababab`)" in text
     # 10 steps of 32,768 tokens at 32,768 tokens/s: 10 s
     assert "| dense | 10 | 32,768 | 32,768 | 0.2 | 3.000 | 2.000 | – | 1.000 |" in text

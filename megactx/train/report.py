@@ -4,8 +4,8 @@ its figures, from the run directory that `scripts/train-megactx-tiny.sh` and
 
 It reads, and never recomputes: the exported model's config and weights (parameter count), the
 data manifest, every stage's metrics.jsonl and loss.png, logs/train.log's time stamps, and the
-evaluations' own reports (eval/bpb, eval/needles, eval/needle-recall, eval/indexshare-search,
-bench/spec-*.json).
+evaluations' own reports (eval/bpb, eval/needles, eval/needles-yarn*, eval/needle-recall,
+eval/indexshare-search, bench/spec-*.json).
 What a run lacks is said in the report, not skipped silently. Writes OUT/megactx-tiny.md and
 OUT/megactx-tiny/*.png.
 
@@ -217,6 +217,10 @@ def write_report(run: Path, out: Path) -> Path:
     needles = run / "eval" / "needles" / "needles.md"
     md += ([_md_section(needles.read_text()), "", figure(needles.with_suffix(".png"), "needles.png") or "", ""]
            if needles.is_file() else ["Not run.", ""])
+    for served in sorted((run / "eval").glob("needles-yarn*/needles.md")):
+        # the same model served with another YaRN factor (scripts/eval-megactx-tiny.sh, part needles-yarn)
+        name = f"{served.parent.name}.png"
+        md += [_md_section(served.read_text(), shift=3), "", figure(served.with_suffix(".png"), name) or "", ""]
     recall = run / "eval" / "needle-recall" / "needle_recall.md"
     # why the missed ones were missed: the indexer's selection or the attention
     md += ([_md_section(recall.read_text(), shift=3), ""] if recall.is_file()
