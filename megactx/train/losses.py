@@ -203,6 +203,9 @@ class TrainingAttention:
     (`Indexer.scores(fp8=True)`: what the serving engine's FP8 indexer cache computes); the KL still
     trains the exact scores, which FP8 only rounds. kl_candidates: C > K widens a sparse group's KL
     to each query's top-C keys by indexer score (module docstring); the layers attend to the top-K.
+    masked: sparse layers (and the indexer KL) score every causal key with dense matmuls and mask
+    out the keys not selected, instead of gathering the selected keys' rows: the same values, with
+    dense tiles in place of gathers of small rows and their scatters in the backward.
 
     Rows are token indices: key row s is visible to query row t when s <= t, whatever the rope
     positions (MTP steps ≥ 2 rope at t + j − 1). A dense layer returns a top-k of width 0 so that
@@ -210,7 +213,8 @@ class TrainingAttention:
     """
 
     def __init__(self, model: Transformer, dense_layers: set[int], trained_indexers: set[int],
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, select_fp8: bool = False, kl_candidates: int = 0):
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, select_fp8: bool = False, kl_candidates: int = 0,
+                 masked: bool = False):
         self.layer_of = {id(attn): i for i, attn in enumerate(model.attention_modules())}
         for i in trained_indexers:
             if model.attention_modules()[i].indexer is None:
@@ -219,6 +223,7 @@ class TrainingAttention:
         self.chunk_bytes = chunk_bytes
         self.select_fp8 = select_fp8
         self.kl_candidates = kl_candidates
+        self.masked = masked
         self._open: _Group | None = None
         self.indexer_losses: list[torch.Tensor] = []
         self.focus: torch.Tensor | None = None
@@ -333,25 +338,29 @@ class TrainingAttention:
             return
         B, S, HI, DI = group.q.shape
         dense = group.topk.shape[-1] == 0
-        width = S if dense else group.candidates.shape[-1]
+        width = S if dense or self.masked else group.candidates.shape[-1]
         rows = _rows_per_chunk(S, B * width * (HI + DI + 4) * 4, self.chunk_bytes)
         cross = torch.zeros(2, device=group.q.device)
         for r0 in range(0, S, rows):
             r1 = min(S, r0 + rows)
             idx = None if dense else group.candidates[:, r0:r1]
             cross = cross + checkpoint(self._indexer_cross, group, r0, r1, group.q[:, r0:r1], group.w[:, r0:r1],
-                                       group.k, idx, use_reentrant=False)
+                                       group.k, idx, self.masked, use_reentrant=False)
         counted = torch.stack([torch.tensor(B * S, device=cross.device), group.target.focus.sum().clamp(min=1)])
         self.indexer_losses.append((group.target.neg_entropy - cross) / (counted * group.target.layers))
 
     @staticmethod
-    def _indexer_cross(group: _Group, r0: int, r1: int, q, w, k, idx) -> torch.Tensor:
+    def _indexer_cross(group: _Group, r0: int, r1: int, q, w, k, idx, masked: bool = False) -> torch.Tensor:
         """[2]: Σ_j p^(j) · log softmax(I) over rows r0..r1-1 (all; the focus rows). q: [B, Q, HI, DI], w: [B, Q, HI],
-        k: [B, S, DI], idx: [B, Q, K] or None (dense: keys 0..r1-1)."""
+        k: [B, S, DI], idx: [B, Q, K] or None (dense: keys 0..r1-1); masked: the scores of idx read
+        from every causal key's instead of from gathered keys."""
         indexer = group.indexer
         if idx is None:
             logits = indexer.scores(q, w, k[:, :r1])  # [B, Q, r1]
             valid = _causal(r0, r1, r1, q.device).expand_as(logits)
+        elif masked:
+            valid = idx >= 0
+            logits = indexer.scores(q, w, k[:, :r1]).gather(-1, idx.clamp(min=0))  # [B, Q, K]
         else:
             valid = idx >= 0
             logits = indexer_scores_at(indexer, q, w, k, idx)
@@ -379,16 +388,16 @@ class TrainingAttention:
         more = None  # [B, S, C - K]: the KL's candidates beyond the selection
         if topk is not None and want_p and group.candidates.shape[-1] > topk.shape[-1]:
             more = group.candidates[..., topk.shape[-1]:]
-        width = S if topk is None else topk.shape[-1] + (0 if more is None else more.shape[-1])
+        gathered = topk is not None and not self.masked
+        width = topk.shape[-1] + (0 if more is None else more.shape[-1]) if gathered else S
         latent = attn.r + attn.dr
-        rows = _rows_per_chunk(S, B * width * (H * 4 * 3 + (0 if topk is None else latent * 4 * 2)),
-                               self.chunk_bytes)
+        rows = _rows_per_chunk(S, B * width * (H * 4 * 3 + (latent * 4 * 2 if gathered else 0)), self.chunk_bytes)
         outs = []
         for r0 in range(0, S, rows):
             r1 = min(S, r0 + rows)
             idx = None if topk is None else topk[:, r0:r1]
             extra = None if more is None else more[:, r0:r1]
-            args = (attn, r0, r1, q_nope[:, r0:r1], q_pe[:, r0:r1], c, k_pe, idx, want_p, extra)
+            args = (attn, r0, r1, q_nope[:, r0:r1], q_pe[:, r0:r1], c, k_pe, idx, want_p, extra, self.masked)
             if torch.is_grad_enabled():
                 out, p = checkpoint(self._attend_chunk, *args, use_reentrant=False)
             else:
@@ -399,11 +408,15 @@ class TrainingAttention:
         return torch.cat(outs, dim=1)
 
     @staticmethod
-    def _attend_chunk(attn: MLA, r0: int, r1: int, q_nope, q_pe, c, k_pe, idx, want_p: bool, extra=None):
+    def _attend_chunk(attn: MLA, r0: int, r1: int, q_nope, q_pe, c, k_pe, idx, want_p: bool, extra=None,
+                      masked: bool = False):
         """Rows r0..r1-1. q_nope: [B, Q, H, dn], q_pe: [B, Q, H, dr], c: [B, S, r], k_pe: [B, S, dr],
         idx: [B, Q, K] key rows (-1 = none) or None (dense over keys 0..r1-1); extra: [B, Q, E] more
-        key rows that p spans too (the KL's candidates beyond the selection) or None.
+        key rows that p spans too (the KL's candidates beyond the selection) or None. masked: idx's
+        keys scored among every causal key, the others masked out, instead of gathered.
         -> out [B, Q, H * dv], p [B, Q, K + E or r1] fp32 head-mean probabilities (detached) or None."""
+        if masked and idx is not None:
+            return TrainingAttention._attend_masked(attn, r0, r1, q_nope, q_pe, c, k_pe, idx, want_p, extra)
         dtype = q_nope.dtype
         w_uk, w_uv = attn.wkv_b()
         q_lat = torch.einsum("bqhd,hdr->bqhr", q_nope, w_uk)  # [B, Q, H, r]
@@ -435,6 +448,37 @@ class TrainingAttention:
             o_lat = torch.einsum("bqht,btr->bqhr", probs, keys_c)
         else:
             o_lat = torch.einsum("bqhk,bqkr->bqhr", probs, keys_c)
+        out = torch.einsum("bqhr,hvr->bqhv", o_lat, w_uv)  # [B, Q, H, dv]
+        return out.reshape(*out.shape[:2], -1), p
+
+    @staticmethod
+    def _attend_masked(attn: MLA, r0: int, r1: int, q_nope, q_pe, c, k_pe, idx, want_p: bool, extra=None):
+        """`_attend_chunk` of a sparse chunk by dense matmuls over keys 0..r1-1, those outside idx
+        masked out; p read at idx (and extra) from the head-mean probabilities."""
+        dtype = q_nope.dtype
+        w_uk, w_uv = attn.wkv_b()
+        q_lat = torch.einsum("bqhd,hdr->bqhr", q_nope, w_uk)  # [B, Q, H, r]
+        keys_c = c[:, :r1]  # [B, r1, r]
+        scores = torch.einsum("bqhr,btr->bqht", q_lat, keys_c) + torch.einsum("bqhd,btd->bqht", q_pe, k_pe[:, :r1])
+        scores = scores * attn.softmax_scale  # [B, Q, H, r1]
+
+        def among(rows: torch.Tensor) -> torch.Tensor:
+            """[B, Q, r1] bool: the keys `rows` ([B, Q, W], -1 = none) name (all causal: top-k picks no later key)."""
+            slots = torch.where(rows < 0, r1, rows)
+            return torch.zeros(*rows.shape[:2], r1 + 1, dtype=torch.bool, device=rows.device).scatter_(
+                2, slots, True)[..., :r1]
+
+        probs = torch.softmax(scores.masked_fill(~among(idx)[:, :, None], float("-inf")), dim=-1,
+                              dtype=torch.float32).nan_to_num(0.0)  # [B, Q, H, r1]
+        p = None
+        if want_p:
+            with torch.no_grad():
+                cols = idx if extra is None else torch.cat([idx, extra], dim=-1)  # [B, Q, W]
+                wide = probs if extra is None else torch.softmax(
+                    scores.detach().masked_fill(~among(cols)[:, :, None], float("-inf")), dim=-1,
+                    dtype=torch.float32).nan_to_num(0.0)
+                p = wide.mean(2).gather(-1, cols.clamp(min=0)).masked_fill(cols < 0, 0.0)  # [B, Q, W]
+        o_lat = torch.einsum("bqht,btr->bqhr", probs.to(dtype), keys_c)
         out = torch.einsum("bqhr,hvr->bqhv", o_lat, w_uv)  # [B, Q, H, dv]
         return out.reshape(*out.shape[:2], -1), p
 
@@ -534,6 +578,7 @@ class LossConfig:
     select_fp8: bool = False  # sparse layers select with FP8-simulated indexer scores, as serving does
     kl_candidates: int = 0
     indexer_needle_weight: float = 0.0
+    masked_sparse: bool = False  # sparse attention by masked dense matmuls, not gathers (TrainingAttention)
 
     def __post_init__(self) -> None:
         if self.indexer_needle_weight < 0:
@@ -574,7 +619,7 @@ class Objective(nn.Module):
             mtp_layers if cfg.mtp_attention == "dense" else set())
         trained = {"none": set(), "backbone": set(model.cfg.full_layers), "mtp": {n} if mtp_layers else set()}
         self.attention = TrainingAttention(model, dense, trained[cfg.indexers], cfg.chunk_bytes, cfg.select_fp8,
-                                           cfg.kl_candidates)
+                                           cfg.kl_candidates, cfg.masked_sparse)
 
     def forward(self, input_ids: torch.Tensor, loss_mask: torch.Tensor | None = None,
                 needle_rows: torch.Tensor | None = None,
