@@ -143,11 +143,12 @@ def build_recipe(args: argparse.Namespace):
         changes["seed"] = args.seed
     model: dict[str, Any] = {}
     if args.hf_overrides:
-        from megactx.config import apply_overrides
+        from megactx.config import ModelConfig, apply_overrides
 
         before = recipe.model.to_dict()
         after = apply_overrides(before, args.hf_overrides)
-        model.update({k: v for k, v in after.items() if v != before.get(k) and k != "rope_theta"})
+        model.update({f.name: after[f.name] for f in dataclasses.fields(ModelConfig)
+                      if after.get(f.name) != before.get(f.name)})  # fields only: rope_theta lives in its rope
     if args.topk is not None:
         if args.topk < 1:
             raise ValueError(f"--topk must be a positive number of keys, got {args.topk}")

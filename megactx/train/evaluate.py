@@ -604,10 +604,10 @@ def add_eval_parser(subparsers: Any) -> None:
 
 def engine_description(llm) -> str:
     """"triton kernels, MLA cache bf16, indexer cache FP8": what a needle figure was computed with."""
+    from megactx.config import describe_overrides
+
     def name(dtype: torch.dtype) -> str:
         return "FP8" if dtype == torch.uint8 else str(dtype).removeprefix("torch.")
-
-    from megactx.config import describe_overrides
 
     cache = llm.runner.cache
     kernels = "Triton kernels" if llm.backend == "triton" else "PyTorch twins of the kernels"

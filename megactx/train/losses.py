@@ -147,6 +147,13 @@ def _gather_rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return t.reshape(B * T, *t.shape[2:]).index_select(0, flat).view(*idx.shape, *t.shape[2:])
 
 
+def _among(rows: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """[B, Q, num_keys] bool: the keys that rows ([B, Q, W] in 0..num_keys-1, -1 = none) name."""
+    slots = torch.where(rows < 0, num_keys, rows)
+    return torch.zeros(*rows.shape[:2], num_keys + 1, dtype=torch.bool, device=rows.device).scatter_(
+        2, slots, True)[..., :num_keys]
+
+
 class AttentionTarget:
     """Running Σ_j p^(j) of the layers one indexer serves, and Σ_j Σ p^(j) log p^(j), which is all
     Σ_j KL(p^(j) ‖ q) = Σ_j Σ p^(j) log p^(j) − Σ (Σ_j p^(j)) log q needs: no layer's p is kept.
@@ -415,8 +422,6 @@ class TrainingAttention:
         key rows that p spans too (the KL's candidates beyond the selection) or None. masked: idx's
         keys scored among every causal key, the others masked out, instead of gathered.
         -> out [B, Q, H * dv], p [B, Q, K + E or r1] fp32 head-mean probabilities (detached) or None."""
-        if masked and idx is not None:
-            return TrainingAttention._attend_masked(attn, r0, r1, q_nope, q_pe, c, k_pe, idx, want_p, extra)
         dtype = q_nope.dtype
         w_uk, w_uv = attn.wkv_b()
         q_lat = torch.einsum("bqhd,hdr->bqhr", q_nope, w_uk)  # [B, Q, H, r]
@@ -428,57 +433,36 @@ class TrainingAttention:
             s = torch.einsum("bqhr,bqkr->bqhk", q_lat, keys_c) + torch.einsum("bqhd,bqkd->bqhk", q_pe, keys_pe)
             return keys_c, (s * attn.softmax_scale).masked_fill((rows < 0)[:, :, None, :], float("-inf"))
 
-        if idx is None:
-            keys_c, keys_pe = c[:, :r1], k_pe[:, :r1]  # [B, r1, r], [B, r1, dr]
-            scores = torch.einsum("bqhr,btr->bqht", q_lat, keys_c) + torch.einsum("bqhd,btd->bqht", q_pe, keys_pe)
-            allowed = _causal(r0, r1, r1, c.device)[None, :, None, :]
-            scores = (scores * attn.softmax_scale).masked_fill(~allowed, float("-inf"))
+        every_key = idx is None or masked  # scores over keys 0..r1-1 (the unselected masked), not gathered
+        if every_key:
+            keys_c = c[:, :r1]  # [B, r1, r]
+            scores = torch.einsum("bqhr,btr->bqht", q_lat, keys_c) + torch.einsum("bqhd,btd->bqht", q_pe, k_pe[:, :r1])
+            scores = scores * attn.softmax_scale  # [B, Q, H, r1]
+            allowed = _causal(r0, r1, r1, c.device)[None, :, None, :] if idx is None else _among(idx, r1)[:, :, None]
+            probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1, dtype=torch.float32)
         else:
             keys_c, scores = gathered_scores(idx)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).nan_to_num(0.0)  # [B, Q, H, W]
-        p = None
-        if want_p and extra is None:
-            p = probs.mean(2).detach()
-        elif want_p:  # the attention as it would be over the selection and the extra rows (a target only)
-            with torch.no_grad():
-                wide = torch.cat([scores.detach(), gathered_scores(extra)[1]], dim=-1)
-                p = torch.softmax(wide, dim=-1, dtype=torch.float32).nan_to_num(0.0).mean(2)
-        probs = probs.to(dtype)
-        if idx is None:
-            o_lat = torch.einsum("bqht,btr->bqhr", probs, keys_c)
-        else:
-            o_lat = torch.einsum("bqhk,bqkr->bqhr", probs, keys_c)
-        out = torch.einsum("bqhr,hvr->bqhv", o_lat, w_uv)  # [B, Q, H, dv]
-        return out.reshape(*out.shape[:2], -1), p
-
-    @staticmethod
-    def _attend_masked(attn: MLA, r0: int, r1: int, q_nope, q_pe, c, k_pe, idx, want_p: bool, extra=None):
-        """`_attend_chunk` of a sparse chunk by dense matmuls over keys 0..r1-1, those outside idx
-        masked out; p read at idx (and extra) from the head-mean probabilities."""
-        dtype = q_nope.dtype
-        w_uk, w_uv = attn.wkv_b()
-        q_lat = torch.einsum("bqhd,hdr->bqhr", q_nope, w_uk)  # [B, Q, H, r]
-        keys_c = c[:, :r1]  # [B, r1, r]
-        scores = torch.einsum("bqhr,btr->bqht", q_lat, keys_c) + torch.einsum("bqhd,btd->bqht", q_pe, k_pe[:, :r1])
-        scores = scores * attn.softmax_scale  # [B, Q, H, r1]
-
-        def among(rows: torch.Tensor) -> torch.Tensor:
-            """[B, Q, r1] bool: the keys `rows` ([B, Q, W], -1 = none) name (all causal: top-k picks no later key)."""
-            slots = torch.where(rows < 0, r1, rows)
-            return torch.zeros(*rows.shape[:2], r1 + 1, dtype=torch.bool, device=rows.device).scatter_(
-                2, slots, True)[..., :r1]
-
-        probs = torch.softmax(scores.masked_fill(~among(idx)[:, :, None], float("-inf")), dim=-1,
-                              dtype=torch.float32).nan_to_num(0.0)  # [B, Q, H, r1]
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        probs = probs.nan_to_num(0.0)  # [B, Q, H, W]
         p = None
         if want_p:
             with torch.no_grad():
-                cols = idx if extra is None else torch.cat([idx, extra], dim=-1)  # [B, Q, W]
-                wide = probs if extra is None else torch.softmax(
-                    scores.detach().masked_fill(~among(cols)[:, :, None], float("-inf")), dim=-1,
-                    dtype=torch.float32).nan_to_num(0.0)
-                p = wide.mean(2).gather(-1, cols.clamp(min=0)).masked_fill(cols < 0, 0.0)  # [B, Q, W]
-        o_lat = torch.einsum("bqht,btr->bqhr", probs.to(dtype), keys_c)
+                if idx is not None and masked:  # read at the selection (and extra) from every key's p
+                    cols = idx if extra is None else torch.cat([idx, extra], dim=-1)  # [B, Q, W]
+                    wide = probs if extra is None else torch.softmax(
+                        scores.masked_fill(~_among(cols, r1)[:, :, None], float("-inf")), dim=-1,
+                        dtype=torch.float32).nan_to_num(0.0)
+                    p = wide.mean(2).gather(-1, cols.clamp(min=0)).masked_fill(cols < 0, 0.0)
+                elif extra is None:
+                    p = probs.mean(2)
+                else:  # the attention as it would be over the selection and the extra rows (a target only)
+                    wide = torch.cat([scores, gathered_scores(extra)[1]], dim=-1)
+                    p = torch.softmax(wide, dim=-1, dtype=torch.float32).nan_to_num(0.0).mean(2)
+        probs = probs.to(dtype)
+        if every_key:
+            o_lat = torch.einsum("bqht,btr->bqhr", probs, keys_c)
+        else:
+            o_lat = torch.einsum("bqhk,bqkr->bqhr", probs, keys_c)
         out = torch.einsum("bqhr,hvr->bqhv", o_lat, w_uv)  # [B, Q, H, dv]
         return out.reshape(*out.shape[:2], -1), p
 
