@@ -7,6 +7,8 @@
 #   SEED=1 PATTERN=FSFSSSSS scripts/train-megactx-tiny.sh runs/tiny-b   # another seed / IndexShare pattern
 #   (also COPY_FORMS=half, TOPK=256, STAGE_STEPS=extend=120, SELECT_FP8=1: megactx train --copy-forms, --topk,
 #   --stage-steps, --select-fp8)
+#   HF_OVERRIDES='{"num_hidden_layers": 16, "n_routed_experts": 4}' PATTERN=FSSSFSSSFSSSFSSS \
+#     scripts/train-megactx-tiny.sh runs/deep    # a deeper model (megactx train --hf-overrides)
 #
 # Order (each line a `megactx train` call; every stage resumes its own checkpoint, so re-running
 # the script continues an interrupted run):
@@ -40,6 +42,7 @@ if [[ ${SELECT_FP8:-0} == 1 ]]; then RECIPE+=(--select-fp8); fi
 if [[ -n ${TOPK:-} ]]; then RECIPE+=(--topk "$TOPK"); fi
 if [[ -n ${PATTERN:-} ]]; then RECIPE+=(--pattern "$PATTERN"); fi
 if [[ -n ${STAGE_STEPS:-} ]]; then RECIPE+=(--stage-steps "$STAGE_STEPS"); fi
+if [[ -n ${HF_OVERRIDES:-} ]]; then RECIPE+=(--hf-overrides "$HF_OVERRIDES"); fi
 LOGS="$OUT/logs"
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 mkdir -p "$LOGS"

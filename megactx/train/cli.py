@@ -62,8 +62,8 @@ def add_train_parser(subparsers: Any) -> None:
     p.add_argument("--masked-sparse", action="store_true",
                    help="sparse stages attend (and score the indexer KL) by dense matmuls over every causal key "
                         "with the unselected ones masked out, instead of gathering the selected keys' rows: the "
-                        "same values; faster where the rows are short next to the top-k (on a CPU at 512 keys and "
-                        "top-k 128, 2.2x a step)")
+                        "same values; faster on a CPU (2.2x a step at 512 keys, top-k 128), slower on an H200 (2.3x "
+                        "slower at 4096 keys, top-k 128: the gathers cost less there than S x S score tiles)")
     p.add_argument("--kl-candidates", type=int, default=None, metavar="N",
                    help="the sparse, extend and indexers stages train each full layer's indexer by a KL over each "
                         "query's top-N keys by indexer score, where N is more than the top-k the layers attend to "
