@@ -28,6 +28,7 @@ from megactx.train.losses import (
     LossConfig,
     Objective,
     TrainingAttention,
+    _gather_rows,
     expected_accept_length,
     indexer_warmup_loss,
     lm_loss,
@@ -350,6 +351,24 @@ def test_kl_candidates_widen_the_indexer_kl_but_not_the_attention():
     assert outs[C]["lm"].item() == pytest.approx(outs[0]["lm"].item(), rel=1e-6)
     assert outs[C]["indexer_kl"].item() != pytest.approx(outs[0]["indexer_kl"].item(), rel=1e-3)
     assert not torch.allclose(outs[C]["grad"], outs[0]["grad"])
+
+
+def test_gather_rows_and_its_gradient_are_advanced_indexings():
+    """The sparse layers' row gather: the forward reads t[b, idx[b, q, k]], and the backward sums
+    the gradient of every read of a row into that row, repeats included."""
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(2, 9, 3, 4, generator=g, requires_grad=True)
+    idx = torch.randint(0, 9, (2, 5, 6), generator=g)  # repeats: 60 reads of 18 rows
+    grad_out = torch.randn(2, 5, 6, 3, 4, generator=g)
+    out = _gather_rows(t, idx)
+    (grad,) = torch.autograd.grad(out, t, grad_out)
+    ref_t = t.detach().clone().requires_grad_()
+    ref = ref_t[torch.arange(2)[:, None, None], idx]
+    (ref_grad,) = torch.autograd.grad(ref, ref_t, grad_out)
+    assert torch.equal(out, ref)
+    torch.testing.assert_close(grad, ref_grad)
+    with torch.no_grad():
+        assert torch.equal(_gather_rows(t, idx), ref)
 
 
 @pytest.mark.parametrize("stage", ["sparse", "sparse-candidates", "mtp"])

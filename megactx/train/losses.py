@@ -133,18 +133,34 @@ def _causal(r0: int, r1: int, num_keys: int, device: torch.device) -> torch.Tens
     return torch.arange(num_keys, device=device)[None, :] <= torch.arange(r0, r1, device=device)[:, None]
 
 
-def _gather_rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """t: [B, T, ...], idx: [B, Q, K] in 0..T-1 -> [B, Q, K, ...] (t[b, idx[b, q, k]]).
+class _RowGather(torch.autograd.Function):
+    """rows[i] = t[flat[i]] over the first dim: the forward by advanced indexing, the backward by an
+    index_add. Each is the faster of the two on the H200 (a tiny-recipe sparse step, B 8 x S 4096,
+    FSSSSSSF, fwd + bwd): advanced indexing gathers in 40 ms where index_select takes 91, but its
+    own backward, an index_put with accumulation, sorts the indices first (97 ms against
+    index_add's 28)."""
 
-    One index_select over the flattened rows: its backward is an index_add, where advanced
-    indexing's is an index_put with accumulation, which sorts the indices first. On the H200 (a
-    tiny-recipe sparse step, B 8 x S 4096, FSSSSSSF, fwd + bwd) that took the step from 284 to 254
-    ms; the backward's scatter went from 97 to 28 ms, but the forward gather from 40 (advanced
-    indexing) to 91 (index_select's kernel): the gathers of 256-byte rows are most of what a
-    sparse step costs beyond a dense one (52 ms)."""
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(flat)
+        ctx.num_rows = t.shape[0]
+        return t[flat]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (flat,) = ctx.saved_tensors
+        return grad.new_zeros(ctx.num_rows, *grad.shape[1:]).index_add_(0, flat, grad), None
+
+
+def _gather_rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """t: [B, T, ...], idx: [B, Q, K] in 0..T-1 -> [B, Q, K, ...] (t[b, idx[b, q, k]]), one gather
+    over the flattened rows (_RowGather). The gathers of 256-byte rows are most of what a sparse
+    training step costs beyond a dense one (52 ms of the step above)."""
     B, T = t.shape[:2]
     flat = (idx + torch.arange(B, device=idx.device)[:, None, None] * T).reshape(-1)  # [B·Q·K]
-    return t.reshape(B * T, *t.shape[2:]).index_select(0, flat).view(*idx.shape, *t.shape[2:])
+    rows = t.reshape(B * T, *t.shape[2:])
+    out = _RowGather.apply(rows, flat) if torch.is_grad_enabled() and t.requires_grad else rows[flat]
+    return out.view(*idx.shape, *t.shape[2:])
 
 
 def _among(rows: torch.Tensor, num_keys: int) -> torch.Tensor:
