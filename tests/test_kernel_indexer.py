@@ -129,6 +129,21 @@ def test_logits_match_twin_any_tiling_and_row_order(knobs):
     _assert_close_to_twin(got, ref.indexer_logits(q, w, cache, block_table, seq_idx, key_len, 300))
 
 
+@pytest.mark.parametrize("HI,knobs", [(4, {}), (2, {}), (4, dict(block_m=2)), (2, dict(block_m=4, num_dots=2)),
+                                      (4, dict(block_m=1)), (1, dict(block_m=8, tma=False))])
+def test_logits_match_twin_few_heads(HI, knobs):
+    """Fewer than 16 heads (megactx-tiny has 4): a block of rows pads its heads only as far as its
+    dot needs (N = rows x heads >= 16), a lone row to 16; groups, lone rows and rows of other
+    sequences in one block."""
+    DI = 64
+    gen = torch.Generator().manual_seed(HI * 100 + len(str(knobs)))
+    cache, block_table, _ = _paged_keys(LENS, DI, gen)
+    seq_idx, key_len = _rows(LENS, prefill=[0, 3], decode={1: 1, 2: 3, 4: 5})
+    q, w = _fp8_queries(len(seq_idx), HI, DI, gen)
+    got = indexer_logits(q, w, cache, block_table, seq_idx, key_len, 256, **knobs)
+    _assert_close_to_twin(got, ref.indexer_logits(q, w, cache, block_table, seq_idx, key_len, 256))
+
+
 def test_logits_causal_prefill_with_key_splits():
     """A causal prefill cut into key splits: programs of the upper triangle only write -inf, the
     split holding a row's diagonal ends mid-tile, and every element is written exactly once
@@ -360,6 +375,9 @@ def test_launch_defaults_fill_one_fp8_dot_and_three_programs_an_sm():
         assert cfg.block_m * HI == FP8_COLUMNS and cfg.num_dots == 1 and cfg.tma and cfg.block_n == ref.BLOCK_SIZE
         assert cfg.max_registers == FP8_MAX_REGISTERS and PROGRAMS_PER_SM * 128 * FP8_MAX_REGISTERS <= 65536
         assert not launch_config(4096, HI, 128, 1 << 17, FP8, sms=132, tma_capable=False).tma
+    for HI in (1, 4, 8):  # few heads: more rows a dot, not padded heads
+        cfg = launch_config(4096, HI, 64, 1 << 17, FP8, sms=132, tma_capable=True)
+        assert cfg.block_m * HI == FP8_COLUMNS and cfg.max_registers == FP8_MAX_REGISTERS
     exact = launch_config(64, 4, 64, 1000, torch.float32, sms=8, tma_capable=True)
     assert not exact.tma and exact.max_registers is None  # TMA is for the FP8 layout only
 

@@ -110,14 +110,14 @@ def launch_config(T: int, HI: int, DI: int, max_keys: int, dtype: torch.dtype, s
     cache). Defaults: see FP8_COLUMNS, STAGES and `choose_num_splits`; 64-key tiles by TMA where
     the device has it, 4 warps; max_registers = 255 lifts the default cap (ptxas' own limit)."""
     fp8 = dtype == FP8
-    hi_pad = _padded_heads(HI)
     columns = FP8_COLUMNS if fp8 else EXACT_COLUMNS.get(dtype, 64)
-    block_m = max(1, columns // hi_pad) if block_m is None else block_m
+    block_m = max(1, columns // triton.next_power_of_2(HI)) if block_m is None else block_m
     if block_m < 1 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two, got {block_m}")
     num_dots = 1 if num_dots is None else num_dots
     if num_dots not in (1, 2) or block_m % num_dots:
         raise ValueError(f"num_dots must be 1 or 2 and divide block_m = {block_m}, got {num_dots}")
+    hi_pad = _padded_heads(HI, block_m // num_dots)
     block_n = BLOCK_SIZE if block_n is None else block_n
     if block_n < BLOCK_SIZE or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power-of-two multiple of {BLOCK_SIZE}, got {block_n}")
@@ -168,7 +168,8 @@ def kernel_constants(launch: LogitsLaunch, HI: int, DI: int, dtype: torch.dtype,
     """The compile-time arguments of `_indexer_logits_kernel` for a launch (shared with the tuner's
     static compile). dtype: the queries'; contiguous: keys from one [N, DI] tensor, not pages."""
     fp8 = dtype == FP8
-    return dict(HI=HI, DI=DI, HI_PAD=_padded_heads(HI), PAGE=BLOCK_SIZE, BLOCK_M=launch.block_m, DOTS=launch.num_dots,
+    return dict(HI=HI, DI=DI, HI_PAD=_padded_heads(HI, launch.block_m // launch.num_dots),
+                LONE_PAD=_padded_heads(HI, 1), PAGE=BLOCK_SIZE, BLOCK_M=launch.block_m, DOTS=launch.num_dots,
                 BLOCK_N=launch.block_n, FILL_N=max(launch.block_n, FILL_ELEMENTS // launch.block_m),
                 STAGES=launch.num_stages, LONE_STAGES=launch.lone_stages, FP8=fp8,
                 DOT_F32=not fp8 and (INTERPRET or dtype == torch.float32), TMA=launch.tma, CONTIGUOUS=contiguous)
@@ -181,9 +182,11 @@ def has_tma(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-def _padded_heads(HI: int) -> int:
-    """Heads padded to a power of two, and to 16 so that a lone row's dot has N >= 16."""
-    return max(16, triton.next_power_of_2(HI))
+def _padded_heads(HI: int, rows: int) -> int:
+    """Heads padded to a power of two, and far enough that a dot of `rows` query rows has N = rows x
+    heads >= 16 (a lone row: 16 heads). megactx-tiny's 4 heads then fill a 128-column FP8 dot with
+    32 rows, not 8 rows of 16 mostly empty heads: each page of keys read serves 4x the rows."""
+    return max(triton.next_power_of_2(HI), triton.cdiv(16, rows))
 
 
 @triton.jit
@@ -336,8 +339,9 @@ def _rows_over_keys(q_ptr, w_ptr, k_ptr, k_desc, ks_ptr, bt_ptr, seq_ptr, klen_p
 def _indexer_logits_kernel(q_ptr, w_ptr, k_ptr, k_desc, ks_ptr, bt_ptr, seq_ptr, klen_ptr, out_ptr,
                            T, max_keys, key_bound, keys_per_split,
                            stride_qt, stride_qh, stride_wt, stride_kb, stride_sb, stride_bt, stride_ot,
-                           HI: tl.constexpr, DI: tl.constexpr, HI_PAD: tl.constexpr, PAGE: tl.constexpr,
-                           BLOCK_M: tl.constexpr, DOTS: tl.constexpr, BLOCK_N: tl.constexpr, FILL_N: tl.constexpr,
+                           HI: tl.constexpr, DI: tl.constexpr, HI_PAD: tl.constexpr, LONE_PAD: tl.constexpr,
+                           PAGE: tl.constexpr, BLOCK_M: tl.constexpr, DOTS: tl.constexpr, BLOCK_N: tl.constexpr,
+                           FILL_N: tl.constexpr,
                            STAGES: tl.constexpr, LONE_STAGES: tl.constexpr, FP8: tl.constexpr, DOT_F32: tl.constexpr,
                            TMA: tl.constexpr, CONTIGUOUS: tl.constexpr):
     # Keys come paged (bt_ptr: the block table [B, key_bound]; k_ptr / ks_ptr / k_desc: the cache) or,
@@ -367,7 +371,7 @@ def _indexer_logits_kernel(q_ptr, w_ptr, k_ptr, k_desc, ks_ptr, bt_ptr, seq_ptr,
                 _rows_over_keys(q_ptr, w_ptr, k_ptr, k_desc, ks_ptr, bt_ptr, seq_ptr, klen_ptr, out_ptr,
                                 first_row + i, s, key_lo, key_end, T, key_bound,
                                 stride_qt, stride_qh, stride_wt, stride_kb, stride_sb, stride_bt, stride_ot,
-                                HI, DI, HI_PAD, PAGE, 1, 1, BLOCK_N, LONE_STAGES, FP8, DOT_F32, TMA, CONTIGUOUS)
+                                HI, DI, LONE_PAD, PAGE, 1, 1, BLOCK_N, LONE_STAGES, FP8, DOT_F32, TMA, CONTIGUOUS)
             else:  # prefill, speculative verify: the group's rows share every key tile
                 _rows_over_keys(q_ptr, w_ptr, k_ptr, k_desc, ks_ptr, bt_ptr, seq_ptr, klen_ptr, out_ptr,
                                 first_row, s, key_lo, key_end, T, key_bound,
