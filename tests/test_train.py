@@ -371,33 +371,6 @@ def test_gather_rows_and_its_gradient_are_advanced_indexings():
         assert torch.equal(_gather_rows(t, idx), ref)
 
 
-@pytest.mark.parametrize("stage", ["sparse", "sparse-candidates", "mtp"])
-def test_masked_sparse_attention_is_the_gathered_one(stage):
-    """masked_sparse: sparse layers and the indexer KL computed by dense matmuls with the unselected
-    keys masked out give the gathered form's losses and every parameter's gradient (top-k 16 of 40
-    keys; with 24 KL candidates, the wider target too; the MTP objective under IndexShare + KVShare),
-    in many chunks."""
-    model = tie_free_model(micro_config(index_share_for_mtp_iteration=True))
-    ids, needle = token_ids(2, 40), torch.tensor([True, False])
-    mask = torch.rand(2, 39, generator=torch.Generator().manual_seed(3)) < 0.5
-    config = (dict(lm=False, indexers="mtp", mtp_steps=3, mtp_loss="ce+tv") if stage == "mtp" else
-              dict(lm=True, indexers="backbone", indexer_needle_weight=1.0,
-                   kl_candidates=24 if stage == "sparse-candidates" else 0))
-    runs = {}
-    for masked in (False, True):
-        objective = Objective(model, LossConfig(attention="sparse", chunk_bytes=8_000, masked_sparse=masked, **config))
-        model.zero_grad()
-        loss, metrics = objective(ids, mask, needle)
-        loss.backward()
-        runs[masked] = metrics, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    (gathered, g_grads), (masked, m_grads) = runs[False], runs[True]
-    for name in gathered:
-        assert masked[name].item() == pytest.approx(gathered[name].item(), rel=1e-5, nan_ok=True), name
-    assert g_grads.keys() == m_grads.keys() and any("indexer" in n for n in g_grads)
-    for name, grad in g_grads.items():
-        assert (m_grads[name] - grad).abs().max() <= 1e-5 * grad.abs().max(), name
-
-
 def test_mtp_training_steps_are_the_inference_drafts_under_indexshare_and_kvshare():
     """Teacher-forced on the tokens `draft` itself chose, training step j at the last context row
     gives the logits that `mtp.draft` (the inference semantics) gives for draft j: same top-k
@@ -908,8 +881,6 @@ def test_train_cli_overrides_reach_the_recipe():
         build_recipe(parse(["train", "--recipe", "tiny", "--hf-overrides", '{"num_layers": 16}']))
     from megactx.train.recipe import loss_config
 
-    assert build_recipe(parse(["train", "--smoke", "--masked-sparse"])).masked_sparse
-    assert loss_config(build_recipe(parse(["train", "--smoke", "--masked-sparse"])), "sparse").masked_sparse
     recipe = build_recipe(parse(["train", "--recipe", "tiny", "--select-fp8"]))
     assert recipe.select_fp8 and all(loss_config(recipe, kind).select_fp8 for kind in ("sparse", "extend", "mtp"))
     assert not loss_config(tiny_recipe(), "sparse").select_fp8

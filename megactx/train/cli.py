@@ -59,11 +59,6 @@ def add_train_parser(subparsers: Any) -> None:
     p.add_argument("--select-fp8", action="store_true",
                    help="sparse stages select each query's keys from FP8-simulated indexer scores, as the serving "
                         "engine's FP8 indexer cache does (the indexer KL still trains the exact scores)")
-    p.add_argument("--masked-sparse", action="store_true",
-                   help="sparse stages attend (and score the indexer KL) by dense matmuls over every causal key "
-                        "with the unselected ones masked out, instead of gathering the selected keys' rows: the "
-                        "same values; faster on a CPU (2.2x a step at 512 keys, top-k 128), slower on an H200 (2.3x "
-                        "slower at 4096 keys, top-k 128: the gathers cost less there than S x S score tiles)")
     p.add_argument("--kl-candidates", type=int, default=None, metavar="N",
                    help="the sparse, extend and indexers stages train each full layer's indexer by a KL over each "
                         "query's top-N keys by indexer score, where N is more than the top-k the layers attend to "
@@ -137,8 +132,6 @@ def build_recipe(args: argparse.Namespace):
         changes["copy_forms"] = tuple(f.strip() for f in args.copy_forms.split(",") if f.strip())
     if args.select_fp8:
         changes["select_fp8"] = True
-    if args.masked_sparse:
-        changes["masked_sparse"] = True
     if args.seed is not None:
         changes["seed"] = args.seed
     model: dict[str, Any] = {}

@@ -163,13 +163,6 @@ def _gather_rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return out.view(*idx.shape, *t.shape[2:])
 
 
-def _among(rows: torch.Tensor, num_keys: int) -> torch.Tensor:
-    """[B, Q, num_keys] bool: the keys that rows ([B, Q, W] in 0..num_keys-1, -1 = none) name."""
-    slots = torch.where(rows < 0, num_keys, rows)
-    return torch.zeros(*rows.shape[:2], num_keys + 1, dtype=torch.bool, device=rows.device).scatter_(
-        2, slots, True)[..., :num_keys]
-
-
 class AttentionTarget:
     """Running Σ_j p^(j) of the layers one indexer serves, and Σ_j Σ p^(j) log p^(j), which is all
     Σ_j KL(p^(j) ‖ q) = Σ_j Σ p^(j) log p^(j) − Σ (Σ_j p^(j)) log q needs: no layer's p is kept.
@@ -226,11 +219,10 @@ class TrainingAttention:
     (`Indexer.scores(fp8=True)`: what the serving engine's FP8 indexer cache computes); the KL still
     trains the exact scores, which FP8 only rounds. kl_candidates: C > K widens a sparse group's KL
     to each query's top-C keys by indexer score (module docstring); the layers attend to the top-K.
-    masked: sparse layers (and the indexer KL) score every causal key with dense matmuls and mask
-    out the keys not selected, instead of gathering the selected keys' rows: the same values, with
-    dense tiles in place of gathers of small rows and their scatters in the backward. Faster on a
-    CPU; on an H200, megactx-tiny's sparse step (8 x 4096 tokens, top-k 128) ran 2.3x slower masked
-    (48,886 against 110,220 tokens/s), so it is off by default.
+    Sparse layers gather their selected keys' rows (`_gather_rows`). A masked form (dense matmuls
+    over every causal key, the unselected masked out; the same values) ran 2.2x faster on a CPU but
+    2.3x slower on an H200 (megactx-tiny's sparse step, 8 x 4096 tokens, top-k 128: 48,886 against
+    110,220 tokens/s), and was removed.
 
     Rows are token indices: key row s is visible to query row t when s <= t, whatever the rope
     positions (MTP steps ≥ 2 rope at t + j − 1). A dense layer returns a top-k of width 0 so that
@@ -238,8 +230,7 @@ class TrainingAttention:
     """
 
     def __init__(self, model: Transformer, dense_layers: set[int], trained_indexers: set[int],
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, select_fp8: bool = False, kl_candidates: int = 0,
-                 masked: bool = False):
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, select_fp8: bool = False, kl_candidates: int = 0):
         self.layer_of = {id(attn): i for i, attn in enumerate(model.attention_modules())}
         for i in trained_indexers:
             if model.attention_modules()[i].indexer is None:
@@ -248,7 +239,6 @@ class TrainingAttention:
         self.chunk_bytes = chunk_bytes
         self.select_fp8 = select_fp8
         self.kl_candidates = kl_candidates
-        self.masked = masked
         self._open: _Group | None = None
         self.indexer_losses: list[torch.Tensor] = []
         self.focus: torch.Tensor | None = None
@@ -363,29 +353,25 @@ class TrainingAttention:
             return
         B, S, HI, DI = group.q.shape
         dense = group.topk.shape[-1] == 0
-        width = S if dense or self.masked else group.candidates.shape[-1]
+        width = S if dense else group.candidates.shape[-1]
         rows = _rows_per_chunk(S, B * width * (HI + DI + 4) * 4, self.chunk_bytes)
         cross = torch.zeros(2, device=group.q.device)
         for r0 in range(0, S, rows):
             r1 = min(S, r0 + rows)
             idx = None if dense else group.candidates[:, r0:r1]
             cross = cross + checkpoint(self._indexer_cross, group, r0, r1, group.q[:, r0:r1], group.w[:, r0:r1],
-                                       group.k, idx, self.masked, use_reentrant=False)
+                                       group.k, idx, use_reentrant=False)
         counted = torch.stack([torch.tensor(B * S, device=cross.device), group.target.focus.sum().clamp(min=1)])
         self.indexer_losses.append((group.target.neg_entropy - cross) / (counted * group.target.layers))
 
     @staticmethod
-    def _indexer_cross(group: _Group, r0: int, r1: int, q, w, k, idx, masked: bool = False) -> torch.Tensor:
+    def _indexer_cross(group: _Group, r0: int, r1: int, q, w, k, idx) -> torch.Tensor:
         """[2]: Σ_j p^(j) · log softmax(I) over rows r0..r1-1 (all; the focus rows). q: [B, Q, HI, DI], w: [B, Q, HI],
-        k: [B, S, DI], idx: [B, Q, K] or None (dense: keys 0..r1-1); masked: the scores of idx read
-        from every causal key's instead of from gathered keys."""
+        k: [B, S, DI], idx: [B, Q, K] or None (dense: keys 0..r1-1)."""
         indexer = group.indexer
         if idx is None:
             logits = indexer.scores(q, w, k[:, :r1])  # [B, Q, r1]
             valid = _causal(r0, r1, r1, q.device).expand_as(logits)
-        elif masked:
-            valid = idx >= 0
-            logits = indexer.scores(q, w, k[:, :r1]).gather(-1, idx.clamp(min=0))  # [B, Q, K]
         else:
             valid = idx >= 0
             logits = indexer_scores_at(indexer, q, w, k, idx)
@@ -413,16 +399,16 @@ class TrainingAttention:
         more = None  # [B, S, C - K]: the KL's candidates beyond the selection
         if topk is not None and want_p and group.candidates.shape[-1] > topk.shape[-1]:
             more = group.candidates[..., topk.shape[-1]:]
-        gathered = topk is not None and not self.masked
-        width = topk.shape[-1] + (0 if more is None else more.shape[-1]) if gathered else S
+        width = S if topk is None else topk.shape[-1] + (0 if more is None else more.shape[-1])
         latent = attn.r + attn.dr
-        rows = _rows_per_chunk(S, B * width * (H * 4 * 3 + (latent * 4 * 2 if gathered else 0)), self.chunk_bytes)
+        rows = _rows_per_chunk(S, B * width * (H * 4 * 3 + (0 if topk is None else latent * 4 * 2)),
+                               self.chunk_bytes)
         outs = []
         for r0 in range(0, S, rows):
             r1 = min(S, r0 + rows)
             idx = None if topk is None else topk[:, r0:r1]
             extra = None if more is None else more[:, r0:r1]
-            args = (attn, r0, r1, q_nope[:, r0:r1], q_pe[:, r0:r1], c, k_pe, idx, want_p, extra, self.masked)
+            args = (attn, r0, r1, q_nope[:, r0:r1], q_pe[:, r0:r1], c, k_pe, idx, want_p, extra)
             if torch.is_grad_enabled():
                 out, p = checkpoint(self._attend_chunk, *args, use_reentrant=False)
             else:
@@ -433,12 +419,10 @@ class TrainingAttention:
         return torch.cat(outs, dim=1)
 
     @staticmethod
-    def _attend_chunk(attn: MLA, r0: int, r1: int, q_nope, q_pe, c, k_pe, idx, want_p: bool, extra=None,
-                      masked: bool = False):
+    def _attend_chunk(attn: MLA, r0: int, r1: int, q_nope, q_pe, c, k_pe, idx, want_p: bool, extra=None):
         """Rows r0..r1-1. q_nope: [B, Q, H, dn], q_pe: [B, Q, H, dr], c: [B, S, r], k_pe: [B, S, dr],
         idx: [B, Q, K] key rows (-1 = none) or None (dense over keys 0..r1-1); extra: [B, Q, E] more
-        key rows that p spans too (the KL's candidates beyond the selection) or None. masked: idx's
-        keys scored among every causal key, the others masked out, instead of gathered.
+        key rows that p spans too (the KL's candidates beyond the selection) or None.
         -> out [B, Q, H * dv], p [B, Q, K + E or r1] fp32 head-mean probabilities (detached) or None."""
         dtype = q_nope.dtype
         w_uk, w_uv = attn.wkv_b()
@@ -451,33 +435,23 @@ class TrainingAttention:
             s = torch.einsum("bqhr,bqkr->bqhk", q_lat, keys_c) + torch.einsum("bqhd,bqkd->bqhk", q_pe, keys_pe)
             return keys_c, (s * attn.softmax_scale).masked_fill((rows < 0)[:, :, None, :], float("-inf"))
 
-        every_key = idx is None or masked  # scores over keys 0..r1-1 (the unselected masked), not gathered
-        if every_key:
-            keys_c = c[:, :r1]  # [B, r1, r]
-            scores = torch.einsum("bqhr,btr->bqht", q_lat, keys_c) + torch.einsum("bqhd,btd->bqht", q_pe, k_pe[:, :r1])
-            scores = scores * attn.softmax_scale  # [B, Q, H, r1]
-            allowed = _causal(r0, r1, r1, c.device)[None, :, None, :] if idx is None else _among(idx, r1)[:, :, None]
-            probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1, dtype=torch.float32)
+        if idx is None:
+            keys_c, keys_pe = c[:, :r1], k_pe[:, :r1]  # [B, r1, r], [B, r1, dr]
+            scores = torch.einsum("bqhr,btr->bqht", q_lat, keys_c) + torch.einsum("bqhd,btd->bqht", q_pe, keys_pe)
+            allowed = _causal(r0, r1, r1, c.device)[None, :, None, :]
+            scores = (scores * attn.softmax_scale).masked_fill(~allowed, float("-inf"))
         else:
             keys_c, scores = gathered_scores(idx)
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
-        probs = probs.nan_to_num(0.0)  # [B, Q, H, W]
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).nan_to_num(0.0)  # [B, Q, H, W]
         p = None
-        if want_p:
+        if want_p and extra is None:
+            p = probs.mean(2).detach()
+        elif want_p:  # the attention as it would be over the selection and the extra rows (a target only)
             with torch.no_grad():
-                if idx is not None and masked:  # read at the selection (and extra) from every key's p
-                    cols = idx if extra is None else torch.cat([idx, extra], dim=-1)  # [B, Q, W]
-                    wide = probs if extra is None else torch.softmax(
-                        scores.masked_fill(~_among(cols, r1)[:, :, None], float("-inf")), dim=-1,
-                        dtype=torch.float32).nan_to_num(0.0)
-                    p = wide.mean(2).gather(-1, cols.clamp(min=0)).masked_fill(cols < 0, 0.0)
-                elif extra is None:
-                    p = probs.mean(2)
-                else:  # the attention as it would be over the selection and the extra rows (a target only)
-                    wide = torch.cat([scores, gathered_scores(extra)[1]], dim=-1)
-                    p = torch.softmax(wide, dim=-1, dtype=torch.float32).nan_to_num(0.0).mean(2)
+                wide = torch.cat([scores.detach(), gathered_scores(extra)[1]], dim=-1)
+                p = torch.softmax(wide, dim=-1, dtype=torch.float32).nan_to_num(0.0).mean(2)
         probs = probs.to(dtype)
-        if every_key:
+        if idx is None:
             o_lat = torch.einsum("bqht,btr->bqhr", probs, keys_c)
         else:
             o_lat = torch.einsum("bqhk,bqkr->bqhr", probs, keys_c)
@@ -580,7 +554,6 @@ class LossConfig:
     select_fp8: bool = False  # sparse layers select with FP8-simulated indexer scores, as serving does
     kl_candidates: int = 0
     indexer_needle_weight: float = 0.0
-    masked_sparse: bool = False  # sparse attention by masked dense matmuls, not gathers (TrainingAttention)
 
     def __post_init__(self) -> None:
         if self.indexer_needle_weight < 0:
@@ -621,7 +594,7 @@ class Objective(nn.Module):
             mtp_layers if cfg.mtp_attention == "dense" else set())
         trained = {"none": set(), "backbone": set(model.cfg.full_layers), "mtp": {n} if mtp_layers else set()}
         self.attention = TrainingAttention(model, dense, trained[cfg.indexers], cfg.chunk_bytes, cfg.select_fp8,
-                                           cfg.kl_candidates, cfg.masked_sparse)
+                                           cfg.kl_candidates)
 
     def forward(self, input_ids: torch.Tensor, loss_mask: torch.Tensor | None = None,
                 needle_rows: torch.Tensor | None = None,

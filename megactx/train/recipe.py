@@ -145,8 +145,7 @@ class Recipe:
     KVShare across the MTP steps. copy_forms: the forms of COPY_FORMS the copy rows cycle through
     (CodeSource). seed: the model's initialisation and the data's order, needles and copy windows.
     select_fp8: the sparse stages select keys as the serving engine's FP8 indexer cache does (the
-    indexers' KL still trains their exact scores). masked_sparse: sparse layers attend by masked
-    dense matmuls instead of gathering the selected keys (the same values; losses.TrainingAttention)."""
+    indexers' KL still trains their exact scores)."""
 
     name: str
     model: ModelConfig
@@ -160,7 +159,6 @@ class Recipe:
     copy_forms: tuple[str, ...] = COPY_FORMS
     seed: int = 0
     select_fp8: bool = False  # sparse layers select their top-k from FP8-simulated indexer scores
-    masked_sparse: bool = False
 
     def __post_init__(self) -> None:
         if not self.copy_forms or set(self.copy_forms) - set(COPY_FORMS):
@@ -251,7 +249,7 @@ def trained_kind(recipe: Recipe, index: int) -> str:
 def loss_config(recipe: Recipe, kind: str, stage: Stage | None = None) -> LossConfig:
     """What a stage of `kind` optimises; `stage` adds its own indexer KL settings (kl_candidates,
     indexer_needle_weight) where its kind trains the backbone's indexers by a KL."""
-    common = dict(chunk_bytes=recipe.chunk_bytes, select_fp8=recipe.select_fp8, masked_sparse=recipe.masked_sparse)
+    common = dict(chunk_bytes=recipe.chunk_bytes, select_fp8=recipe.select_fp8)
     if stage is not None and kind in INDEXER_KL_KINDS:
         common |= dict(kl_candidates=stage.kl_candidates, indexer_needle_weight=stage.indexer_needle_weight)
     mtp = dict(lm=False, attention="sparse", indexers="mtp", mtp_steps=recipe.mtp_steps, mtp_loss=recipe.mtp_loss,
