@@ -27,6 +27,9 @@
 #      `megactx bench spec --mtp-layers` reads for the acceptance-length ladder)
 # A 10M-parameter model leaves most of an H200 idle, so the concurrent processes cost little time;
 # expandable segments keep the processes' caching allocators from fragmenting the shared memory.
+# TIME_BUDGET=9 stops the script after about 9 minutes, every stage at a checkpoint (megactx train
+# --time-limit); the same command again continues (for machines lent a few minutes at a time).
+# ABLATIONS=0 leaves out the held-out loss ablations (DSA, dense) of step 2.
 # On a machine with more GPUs, ABLATION_DEVICES=1 runs the ablations and the MTP variants other than
 # MTP_SHIP there (their CUDA_VISIBLE_DEVICES), so the shipped model's stages have a GPU to themselves.
 set -euo pipefail
@@ -36,6 +39,9 @@ SCALE=${SCALE:-1}
 CONTEXT=${CONTEXT:-65536}
 MTP_SHIP=${MTP_SHIP:-tv-share}
 PY=${PYTHON:-python3}
+ABLATIONS=${ABLATIONS:-1}
+TIME_BUDGET=${TIME_BUDGET:-}
+START=$(date +%s)
 RECIPE=(--seed "${SEED:-0}")
 if [[ -n ${COPY_FORMS:-} ]]; then RECIPE+=(--copy-forms "$COPY_FORMS"); fi
 if [[ ${SELECT_FP8:-0} == 1 ]]; then RECIPE+=(--select-fp8); fi
@@ -47,8 +53,21 @@ LOGS="$OUT/logs"
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 mkdir -p "$LOGS"
 
-train() { "$PY" -m megactx train --recipe tiny --out "$OUT" --steps-scale "$SCALE" "${RECIPE[@]}" --no-progress "$@"; }
+left() { awk -v b="$TIME_BUDGET" -v e="$(( $(date +%s) - START ))" 'BEGIN { printf "%.2f", b - e / 60 }'; }
+train() {
+  local budget=()
+  if [[ -n $TIME_BUDGET ]]; then budget=(--time-limit "$(left)"); fi
+  "$PY" -m megactx train --recipe tiny --out "$OUT" --steps-scale "$SCALE" "${RECIPE[@]}" --no-progress \
+    "${budget[@]}" "$@"
+}
 stamp() { echo "[$(date +%H:%M:%S)] $*"; }
+on_time() {  # with TIME_BUDGET: stop (after the running stages) once less than a minute is left
+  if [[ -n $TIME_BUDGET ]] && awk -v l="$(left)" 'BEGIN { exit !(l < 1) }'; then
+    wait
+    stamp "TIME_BUDGET spent: run the same command again to continue"
+    exit 0
+  fi
+}
 aside() {  # an ablation: on ABLATION_DEVICES when given
   if [[ -n ${ABLATION_DEVICES:-} ]]; then CUDA_VISIBLE_DEVICES=$ABLATION_DEVICES train "$@"; else train "$@"; fi
 }
@@ -58,18 +77,26 @@ stamp "data"
 
 stamp "backbone: dense"
 train --stages dense 2>&1 | tee "$LOGS/backbone.log"
+on_time
 
-stamp "warmup, sparse (+ ablations: dsa, dense)"
-aside --stages warmup,sparse --attention dsa > "$LOGS/sparse-dsa.log" 2>&1 &
-dsa=$!
-aside --stages sparse --attention dense > "$LOGS/sparse-dense.log" 2>&1 &
-dense=$!
+ablations=()
+if [[ $ABLATIONS == 1 ]]; then
+  stamp "warmup, sparse (+ ablations: dsa, dense)"
+  aside --stages warmup,sparse --attention dsa > "$LOGS/sparse-dsa.log" 2>&1 &
+  ablations+=($!)
+  aside --stages sparse --attention dense > "$LOGS/sparse-dense.log" 2>&1 &
+  ablations+=($!)
+else
+  stamp "warmup, sparse"
+fi
 train --stages warmup,sparse 2>&1 | tee "$LOGS/sparse.log"
+on_time
 
 stamp "extend and indexers at $CONTEXT"
 extend=(--context "$CONTEXT")
 if [[ $CONTEXT == auto && -n ${CONTEXT_BUDGET:-} ]]; then extend+=(--context-budget "$CONTEXT_BUDGET"); fi
 train --stages extend,indexers "${extend[@]}" 2>&1 | tee "$LOGS/extend.log"
+on_time
 
 stamp "MTP variants"
 declare -A MTP=([ce-noshare]="--mtp-loss ce --no-mtp-share" [ce-share]="--mtp-loss ce --mtp-share"
@@ -81,7 +108,8 @@ for variant in "${!MTP[@]}"; do
   $run --stages mtp_warmup,mtp ${MTP[$variant]} > "$LOGS/mtp-$variant.log" 2>&1 &
   pids+=($!)
 done
-for pid in "${pids[@]}" "$dsa" "$dense"; do wait "$pid"; done
+for pid in "${pids[@]}" "${ablations[@]}"; do wait "$pid"; done
+on_time
 
 stamp "export"
 mkdir -p "$OUT/export/mtp-ablations"
