@@ -73,9 +73,6 @@ class CacheConfig:
     index_dtype: torch.dtype  # torch.uint8 = the FP8 layout
     num_blocks: int
 
-    def bytes_per_block(self, cfg) -> int:
-        return cache_bytes_per_token(cfg, self.kv_dtype, self.index_dtype) * BLOCK_SIZE
-
 
 def plan_num_blocks(model: Transformer, kv_dtype: torch.dtype, index_dtype: torch.dtype, *, max_model_len: int,
                     max_num_seqs: int, max_num_batched_tokens: int, gpu_memory_utilization: float = 0.9,

@@ -52,12 +52,6 @@ def alloc_index_cache(num_blocks: int, index_dim: int, device: str | torch.devic
     return torch.zeros(num_blocks, BLOCK_SIZE * index_dim, dtype=dtype, device=device)
 
 
-def index_cache_dim(index_cache: torch.Tensor) -> int:
-    """DI of an indexer cache of either layout."""
-    per_token = index_cache.shape[1] // BLOCK_SIZE
-    return per_token - 4 if index_cache.dtype == torch.uint8 else per_token
-
-
 # ------------------------------------------------------------------------------ KV write
 def write_kv(c: torch.Tensor, k_pe: torch.Tensor, slots: torch.Tensor, kv_cache: torch.Tensor,
              index_k: torch.Tensor | None = None, index_cache: torch.Tensor | None = None) -> None:

@@ -345,11 +345,6 @@ class AsyncEngine:
         alive = self.error is None and self._thread is not None and self._thread.is_alive()
         return alive and (not isinstance(self.llm, EngineProcess) or self.llm.is_alive)
 
-    @property
-    def num_in_flight(self) -> int:
-        """Sequences accepted (or being admitted) and not finished."""
-        return self._num_seqs
-
     # ---------------------------------------------------------------------------- requests
     def submit(self, prompts: list[list[int]], params: list[SamplingParams], request_id: str,
                arrival: float | None = None) -> RequestStream:
