@@ -353,6 +353,33 @@ def test_kl_candidates_widen_the_indexer_kl_but_not_the_attention():
     assert not torch.allclose(outs[C]["grad"], outs[0]["grad"])
 
 
+def test_compiled_blocks_train_as_eager():
+    """--compile (trainer.compile_blocks): the compiled MLP / MoE blocks and attention projections
+    give the eager loss and gradients (sparse attention with its indexer KL and the MTP objective on
+    top)."""
+    from megactx.train.trainer import compile_blocks
+
+    cfg = micro_config(index_share_for_mtp_iteration=True)
+    ids = token_ids(2, 40)
+    runs = []
+    for compiled in (False, True):
+        model = tie_free_model(cfg)  # no ties among the router's expert scores
+        if compiled:
+            compile_blocks(model)
+        objective = Objective(model, LossConfig(attention="sparse", indexers="backbone", mtp_steps=2,
+                                                chunk_bytes=8_000))
+        loss, metrics = objective(ids)
+        loss.backward()
+        runs.append((metrics, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (eager, g_eager), (comp, g_comp) = runs
+    for name in eager:
+        assert comp[name].item() == pytest.approx(eager[name].item(), rel=1e-5), name
+    assert g_eager.keys() == g_comp.keys()
+    for name, grad in g_eager.items():
+        torch.testing.assert_close(g_comp[name], grad, rtol=1e-4, atol=1e-5 * grad.abs().max().item(),
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
 def test_gather_rows_and_its_gradient_are_advanced_indexings():
     """The sparse layers' row gather: the forward reads t[b, idx[b, q, k]], and the backward sums
     the gradient of every read of a row into that row, repeats included."""
@@ -857,6 +884,7 @@ def test_train_cli_overrides_reach_the_recipe():
     recipe = build_recipe(parse(["train", "--recipe", "tiny", "--topk", "256", "--seed", "3", "--copy-forms", "half"]))
     assert (recipe.model.index_topk, recipe.seed, recipe.copy_forms) == (256, 3, ("half",))
     assert recipe.model.indexer_types == tiny_recipe().model.indexer_types  # the pattern is kept
+    assert build_recipe(parse(["train", "--smoke", "--compile"])).compile and not smoke_recipe().compile
     with pytest.raises(ValueError, match="--topk"):
         build_recipe(parse(["train", "--smoke", "--topk", "0"]))
     recipe = build_recipe(parse(["train", "--recipe", "tiny", "--pattern", "FSFSSSSS"]))

@@ -59,6 +59,10 @@ def add_train_parser(subparsers: Any) -> None:
     p.add_argument("--select-fp8", action="store_true",
                    help="sparse stages select each query's keys from FP8-simulated indexer scores, as the serving "
                         "engine's FP8 indexer cache does (the indexer KL still trains the exact scores)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each layer's MLP / MoE block and attention projections before a stage "
+                        "trains (the same math, fewer kernels: a small model's step is mostly kernel launches); "
+                        "the first step also compiles")
     p.add_argument("--kl-candidates", type=int, default=None, metavar="N",
                    help="the sparse, extend and indexers stages train each full layer's indexer by a KL over each "
                         "query's top-N keys by indexer score, where N is more than the top-k the layers attend to "
@@ -132,6 +136,8 @@ def build_recipe(args: argparse.Namespace):
         changes["copy_forms"] = tuple(f.strip() for f in args.copy_forms.split(",") if f.strip())
     if args.select_fp8:
         changes["select_fp8"] = True
+    if args.compile:
+        changes["compile"] = True
     if args.seed is not None:
         changes["seed"] = args.seed
     model: dict[str, Any] = {}

@@ -69,6 +69,7 @@ from megactx.train.trainer import (
     TrainConfig,
     Trainer,
     agree,
+    compile_blocks,
     init_distributed,
 )
 
@@ -145,7 +146,8 @@ class Recipe:
     KVShare across the MTP steps. copy_forms: the forms of COPY_FORMS the copy rows cycle through
     (CodeSource). seed: the model's initialisation and the data's order, needles and copy windows.
     select_fp8: the sparse stages select keys as the serving engine's FP8 indexer cache does (the
-    indexers' KL still trains their exact scores)."""
+    indexers' KL still trains their exact scores). compile: each stage compiles its model's layer
+    blocks (trainer.compile_blocks) before training: the same math, fewer kernels."""
 
     name: str
     model: ModelConfig
@@ -159,6 +161,7 @@ class Recipe:
     copy_forms: tuple[str, ...] = COPY_FORMS
     seed: int = 0
     select_fp8: bool = False  # sparse layers select their top-k from FP8-simulated indexer scores
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if not self.copy_forms or set(self.copy_forms) - set(COPY_FORMS):
@@ -535,6 +538,8 @@ def run_stage(recipe: Recipe, index: int, out_dir: str | Path, source: TokenSour
                                                           indent=1) + "\n")
     model = stage_model(recipe, index, out_dir, init)
     set_trainable(model, trained_kind(recipe, index))
+    if recipe.compile:
+        compile_blocks(model)
     objective = Objective(model, stage_loss_config(recipe, index))
     trainer = Trainer(objective, source, stage.train, out_dir / recipe.stage_name(index), extra_files, ctx,
                       progress, label=f"{recipe.name}/{recipe.stage_name(index)}")

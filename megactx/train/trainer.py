@@ -205,6 +205,24 @@ def wrap_parallel(objective: nn.Module, ctx: DistContext, strategy: str) -> nn.M
     return DistributedDataParallel(objective, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
 
 
+def compile_blocks(model: nn.Module) -> None:
+    """torch.compile, in place, the parts of every decoder and MTP layer whose work is a fixed chain
+    of small ops: the MLP / MoE block (the router, the experts and the shared expert) and the
+    attention's q and kv projections with their rope. A training step of megactx-tiny issues
+    thousands of small kernels (7,340 top-level aten ops for one forward and backward of a
+    16-layer model), and fusing them is what compiling buys. The attention itself stays eager
+    (TrainingAttention's chunks, top-k and gathers), as does the MoE's routed form off CUDA, whose
+    expert loop reads which experts got tokens (a graph break). Layers share their compiled graphs.
+
+    The same math in another order: values agree to rounding, except that the router's ties
+    (equal expert scores, e.g. an untrained router) may break the other way."""
+    for layer in [*model.model.layers, *model.mtp]:
+        layer.mlp.compile()
+        attn = layer.self_attn
+        attn.project_q = torch.compile(attn.project_q)
+        attn.project_kv = torch.compile(attn.project_kv)
+
+
 # ---------------------------------------------------------------------------------------------
 # MoE expert-bias balancing
 # ---------------------------------------------------------------------------------------------
