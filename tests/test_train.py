@@ -356,8 +356,8 @@ def test_kl_candidates_widen_the_indexer_kl_but_not_the_attention():
 def test_compiled_blocks_train_as_eager():
     """--compile (trainer.compile_blocks): the compiled MLP / MoE blocks and attention projections
     give the eager loss and gradients (sparse attention with its indexer KL and the MTP objective on
-    top)."""
-    from megactx.train.trainer import compile_blocks
+    top), and the expert balancer's load counts (a hook the compiled router calls)."""
+    from megactx.train.trainer import ExpertBalancer, compile_blocks
 
     cfg = micro_config(index_share_for_mtp_iteration=True)
     ids = token_ids(2, 40)
@@ -366,12 +366,15 @@ def test_compiled_blocks_train_as_eager():
         model = tie_free_model(cfg)  # no ties among the router's expert scores
         if compiled:
             compile_blocks(model)
+        balancer = ExpertBalancer(model, speed=1e-3)
         objective = Objective(model, LossConfig(attention="sparse", indexers="backbone", mtp_steps=2,
                                                 chunk_bytes=8_000))
         loss, metrics = objective(ids)
         loss.backward()
-        runs.append((metrics, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
-    (eager, g_eager), (comp, g_comp) = runs
+        runs.append((metrics, {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
+                     [load.tolist() for load in balancer.loads.values()]))
+    (eager, g_eager, loads), (comp, g_comp, comp_loads) = runs
+    assert comp_loads == loads and sum(map(sum, loads)) > 0
     for name in eager:
         assert comp[name].item() == pytest.approx(eager[name].item(), rel=1e-5), name
     assert g_eager.keys() == g_comp.keys()

@@ -237,6 +237,7 @@ class ExpertBalancer:
         self.loads = {id(r): torch.zeros(r.n_experts, device=r.weight.device) for r in self.routers}
         self.hooks = [r.register_forward_hook(self._count) for r in self.routers] if speed > 0 else []
 
+    @torch.compiler.disable  # eager under --compile: traced, its per-router lookup recompiled every layer
     def _count(self, router: Router, args, output) -> None:
         _, ids = output  # [N, top_k]
         load = self.loads[id(router)].to(ids.device)
