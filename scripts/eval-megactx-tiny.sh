@@ -30,6 +30,11 @@ PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 stamp() { echo "[$(date +%H:%M:%S)] $*"; }
 part() { [[ ,$PARTS, == *",$1,"* ]]; }
+needles() {  # the needle evaluation of the shipped model; extra flags (--out, --hf-overrides) follow
+  "$PY" -m megactx eval needles --model "${NEEDLE_MODEL:-$RUN/export/megactx-tiny}" --seed "$SEED" --cases "$CASES" \
+    --contexts "${CONTEXTS:-4k,16k,64k,128k,256k}" --trained-length 65536 --batch-size 32 \
+    --max-num-batched-tokens 65536 ${INDEX_CACHE_DTYPE:+--index-cache-dtype "$INDEX_CACHE_DTYPE"} "$@"
+}
 
 if part bpb; then
 stamp "bits per byte"
@@ -46,16 +51,11 @@ fi
 
 if part needles; then
 stamp "needles"
-"$PY" -m megactx eval needles --model "${NEEDLE_MODEL:-$RUN/export/megactx-tiny}" --seed "$SEED" --cases "$CASES" \
-  --contexts "${CONTEXTS:-4k,16k,64k,128k,256k}" --trained-length 65536 --batch-size 32 \
-  --max-num-batched-tokens 65536 ${INDEX_CACHE_DTYPE:+--index-cache-dtype "$INDEX_CACHE_DTYPE"} --out "$OUT/needles"
+needles --out "$OUT/needles"
 fi
 if part needles-yarn; then
 stamp "needles served with a larger YaRN factor (same weights)"
-"$PY" -m megactx eval needles --model "${NEEDLE_MODEL:-$RUN/export/megactx-tiny}" --seed "$SEED" --cases "$CASES" \
-  --contexts "${CONTEXTS:-4k,16k,64k,128k,256k}" --trained-length 65536 --batch-size 32 \
-  --max-num-batched-tokens 65536 --hf-overrides "{\"rope_parameters\": {\"factor\": ${YARN_FACTOR:-32}}}" \
-  ${INDEX_CACHE_DTYPE:+--index-cache-dtype "$INDEX_CACHE_DTYPE"} --out "$OUT/needles-yarn${YARN_FACTOR:-32}"
+needles --hf-overrides "{\"rope_parameters\": {\"factor\": ${YARN_FACTOR:-32}}}" --out "$OUT/needles-yarn${YARN_FACTOR:-32}"
 fi
 if part recall; then
 stamp "needle recall"

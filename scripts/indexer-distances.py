@@ -19,6 +19,10 @@ from megactx.train.evaluate import parse_contexts
 from megactx.train.needles import NeedleTask
 
 
+def share(mask: torch.Tensor) -> str:
+    return f"{mask.float().mean().item():.0%}"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="models/megactx-tiny")
@@ -41,10 +45,6 @@ def main() -> None:
             q, w = indexer.queries(x[:, -1:], q_resid, cos[:, -1:], sin[:, -1:])
             top = indexer.scores(q, w, keys)[0, -1].topk(indexer.topk).indices  # [K]
             distance = ids.shape[1] - 1 - top
-
-            def share(mask: torch.Tensor) -> str:
-                return f"{mask.float().mean().item():.0%}"
-
             print(f"factor {factor:g}, {length // 1024}K: farther than {args.trained_length // 1024}K "
                   f"{share(distance > args.trained_length)}, within 1K {share(distance < 1024)}, "
                   f"within 8K {share(distance < 8192)}", flush=True)

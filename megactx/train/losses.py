@@ -154,8 +154,8 @@ class _RowGather(torch.autograd.Function):
 
 def _gather_rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """t: [B, T, ...], idx: [B, Q, K] in 0..T-1 -> [B, Q, K, ...] (t[b, idx[b, q, k]]), one gather
-    over the flattened rows (_RowGather). The gathers of 256-byte rows are most of what a sparse
-    training step costs beyond a dense one (52 ms of the step above)."""
+    over the flattened rows (_RowGather). The gathers of 256-byte rows are most of what that sparse
+    step costs beyond a dense step of the same rows (52 ms on the H200)."""
     B, T = t.shape[:2]
     flat = (idx + torch.arange(B, device=idx.device)[:, None, None] * T).reshape(-1)  # [B·Q·K]
     rows = t.reshape(B * T, *t.shape[2:])
