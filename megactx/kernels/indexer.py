@@ -100,7 +100,8 @@ class LogitsLaunch:
 
 
 def launch_config(T: int, HI: int, DI: int, max_keys: int, dtype: torch.dtype, sms: int, tma_capable: bool, *,
-                  block_m: int | None = None, num_dots: int | None = None, block_n: int | None = None,
+                  sequences: int | None = None, block_m: int | None = None, num_dots: int | None = None,
+                  block_n: int | None = None,
                   tma: bool | None = None, num_warps: int | None = None, num_stages: int | None = None,
                   lone_stages: int | None = None, max_registers: int | None = None,
                   num_splits: int | None = None) -> LogitsLaunch:
@@ -108,10 +109,16 @@ def launch_config(T: int, HI: int, DI: int, max_keys: int, dtype: torch.dtype, s
     device of `sms` SMs, tma_capable if it has TMA (Hopper or newer); the knobs left None take the
     defaults, the others are checked (ValueError). dtype: the queries' (float8_e4m3fn = the FP8
     cache). Defaults: see FP8_COLUMNS, STAGES and `choose_num_splits`; 64-key tiles by TMA where
-    the device has it, 4 warps; max_registers = 255 lifts the default cap (ptxas' own limit)."""
+    the device has it, 4 warps; max_registers = 255 lifts the default cap (ptxas' own limit).
+    sequences: how many sequences the rows belong to; T <= sequences (a decode batch: every row
+    lone) takes the rows a block of lone rows fills, each padded to 16 heads: with fewer heads,
+    more lone rows a block would only lengthen each program's serial scans (measured on the H200 at
+    4 heads, 64 rows over 32K keys: 121 against 87 us)."""
     fp8 = dtype == FP8
     columns = FP8_COLUMNS if fp8 else EXACT_COLUMNS.get(dtype, 64)
-    block_m = max(1, columns // triton.next_power_of_2(HI)) if block_m is None else block_m
+    if block_m is None:
+        lone = sequences is not None and T <= sequences
+        block_m = max(1, columns // (_padded_heads(HI, 1) if lone else triton.next_power_of_2(HI)))
     if block_m < 1 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two, got {block_m}")
     num_dots = 1 if num_dots is None else num_dots
@@ -454,7 +461,8 @@ def indexer_logits(q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor, 
     if not index_cache.is_contiguous():
         raise ValueError("index_cache must be contiguous (a copy of the whole cache a call would be silent and slow)")
     check_device(q, w, index_cache, block_table, seq_idx, key_len)
-    launch = launch_config(T, HI, DI, max_keys, q.dtype, num_sms(q.device), has_tma(q.device), block_m=block_m,
+    launch = launch_config(T, HI, DI, max_keys, q.dtype, num_sms(q.device), has_tma(q.device),
+                           sequences=block_table.shape[0], block_m=block_m,
                            num_dots=num_dots, block_n=block_n, tma=tma, num_warps=num_warps, num_stages=num_stages,
                            lone_stages=lone_stages, max_registers=max_registers, num_splits=num_splits)
     out = torch.empty(T, max_keys, dtype=torch.float32, device=q.device)
@@ -515,7 +523,8 @@ def indexer_logits_contiguous(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor,
     if knobs.get("tma") and not aligned:
         raise ValueError(f"tma=True needs k's base address and row stride 16-byte aligned, got address "
                          f"{k.data_ptr():#x} and a row stride of {k.stride(0) * k.element_size()} bytes")
-    launch = launch_config(T, HI, DI, max_keys, q.dtype, num_sms(q.device), has_tma(q.device) and aligned, **knobs)
+    launch = launch_config(T, HI, DI, max_keys, q.dtype, num_sms(q.device), has_tma(q.device) and aligned,
+                           sequences=key_start.shape[0], **knobs)
     out = torch.empty(T, max_keys, dtype=torch.float32, device=q.device)
     if T == 0 or max_keys == 0:
         return out
