@@ -793,6 +793,11 @@ def test_smoke_recipe_runs_every_stage_and_its_checkpoints_load(tmp_path, capsys
         assert main(["train", "--smoke", "--out", str(tmp_path / "other"), "--no-progress", "--stages", "extend",
                      "--init", str(tmp_path / "model"), *options]) == 2
         assert "does not match stage extend" in capsys.readouterr().err
+    # ...but a model the stage before would leave is adapted, as in a whole run: `extend` from `sparse`
+    assert main(["train", "--smoke", "--out", str(tmp_path / "from-sparse"), "--no-progress", "--stages", "extend",
+                 "--max-steps", "1", "--init", str(out / "sparse" / "checkpoint")]) == 0
+    extended = load_model(tmp_path / "from-sparse" / "extend" / "checkpoint")
+    assert extended.cfg.rope_parameters == final.cfg.rope_parameters
 
     # the held-out-loss ablations: warm-up and sparse stage with an indexer in every layer, and dense
     # (which has no warm-up: it starts from `dense`)

@@ -485,7 +485,8 @@ def stage_model(recipe: Recipe, index: int, out_dir: Path, init: Path | None = N
                              f"{recipe.stage_name(prev)} first")
         init = prev_dir / CHECKPOINT
     else:
-        init_matches(ModelConfig.from_pretrained(init), cfg, init, recipe.stage_name(index))
+        wants = [cfg] if prev is None else [cfg, stage_model_config(recipe, prev)]
+        init_matches(ModelConfig.from_pretrained(init), wants, init, recipe.stage_name(index))
     model = adapt_model(load_model(init, dtype=torch.float32), cfg)
     if recipe.stages[index].kind == "mtp_warmup":
         seeded_mtp_layer(recipe, model)
@@ -495,14 +496,17 @@ def stage_model(recipe: Recipe, index: int, out_dir: Path, init: Path | None = N
 INIT_MUST_MATCH = ("rope_parameters", "index_topk")  # what recipe options change and no tensor shows
 
 
-def init_matches(have: ModelConfig, want: ModelConfig, init: Path, stage: str) -> None:
+def init_matches(have: ModelConfig, wants: list[ModelConfig], init: Path, stage: str) -> None:
     """Refuse to start `stage` from a model directory (--init) trained with other positions or
-    another top-k than this recipe gives the stage: the weights would load and mean something else."""
-    bad = [k for k in INIT_MUST_MATCH if getattr(have, k) != getattr(want, k)]
-    if bad:
-        diff = "; ".join(f"{k}: {getattr(have, k)} there, {getattr(want, k)} here" for k in bad)
-        raise ValueError(f"--init {init} does not match stage {stage} ({diff}); give the recipe options the "
-                         "model was trained with (--context, --topk)")
+    another top-k than this recipe gives the stage (wants[0]) or the stage before it (wants[1:]: a
+    model that stage would have left, which this one adapts as it does in a whole run, e.g. `extend`
+    from a `sparse` model at its 4K positions): the weights would load and mean something else."""
+    if any(all(getattr(have, k) == getattr(want, k) for k in INIT_MUST_MATCH) for want in wants):
+        return
+    diff = "; ".join(f"{k}: {getattr(have, k)} there, {getattr(wants[0], k)} here"
+                     for k in INIT_MUST_MATCH if getattr(have, k) != getattr(wants[0], k))
+    raise ValueError(f"--init {init} does not match stage {stage} ({diff}) nor the stage before it; give the recipe "
+                     "options the model was trained with (--context, --topk)")
 
 
 def seeded_mtp_layer(recipe: Recipe, model: Transformer) -> None:
