@@ -61,7 +61,8 @@ def add_train_parser(subparsers: Any) -> None:
                         "engine's FP8 indexer cache does (the indexer KL still trains the exact scores)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile each layer's MLP / MoE block and attention projections before a stage "
-                        "trains (the same math, fewer and fused kernels); the first step also compiles")
+                        "trains (the same math, fewer and fused kernels); the first step also compiles. On an H200, "
+                        "a 16-layer megactx-tiny's dense stage: 323K against 298K tokens/s, 18 s of compilation")
     p.add_argument("--kl-candidates", type=int, default=None, metavar="N",
                    help="the sparse, extend and indexers stages train each full layer's indexer by a KL over each "
                         "query's top-N keys by indexer score, where N is more than the top-k the layers attend to "
