@@ -30,6 +30,7 @@ from benchmarks.engine import (
     completion_bodies,
     evaluate_targets,
     interleaved,
+    median_interval,
     online_figures,
     percentile,
     render_markdown,
@@ -389,6 +390,37 @@ def test_the_offline_engine_runs_between_the_rounds_and_gives_the_reference(ckpt
     # between the rounds of 3 and 2 closed-loop requests
     reference = [8] * 2 * 9
     assert order == [8] * 2 + reference + [8] * 3 + reference + [8] * 2 + reference
+    rates = f.detail["round_tokens_per_s"]  # each round's own tokens over its own time
+    assert len(rates) == 2 and min(rates) > 0 and min(rates) <= f.tokens_per_s <= max(rates)
+
+
+def test_median_interval_is_the_binomial_order_statistics():
+    assert median_interval([1, 2, 3, 4, 5]) is None  # below 6 values no interval reaches 95%
+    assert median_interval([3, 1, 2, 6, 5, 4]) == (3.5, 1, 6)  # 1 - 2/64 = 96.9%
+    assert median_interval(list(range(16))) == (7.5, 3, 12)  # the 4th and 13th: 97.9%
+    # it holds the median of what it samples at least 95% of the time, for a skewed distribution too
+    gen = torch.Generator().manual_seed(0)
+    draws = -torch.log(torch.rand(2000, 16, generator=gen, dtype=torch.float64))  # Exponential(1)
+    true_median = math.log(2)
+    held = [lo <= true_median <= hi for _, lo, hi in (median_interval(row.tolist()) for row in draws)]
+    assert sum(held) / len(held) >= 0.95
+
+
+@pytest.mark.parametrize("ratio,passed", [(0.95, True), (0.80, False), (0.90, None)])
+def test_the_overhead_target_is_judged_on_the_rounds_median(ratio, passed):
+    """16 rounds, each at `ratio` of the offline runs just before and after it (within +-2%), while
+    the host's speed swings by 1.7x from one part of the run to another: the rounds decide where
+    the reference sets' spread alone would not."""
+    results = _fake_results("cuda", 6000.0, 500.0, 5700.0)
+    around = [6000.0 * (1.7 if i % 3 == 0 else 1.0) for i in range(17)]
+    wobble = [1 + 0.02 * ((i * 7) % 5 - 2) / 2 for i in range(16)]
+    rates = [ratio * (a + b) / 2 * w for a, b, w in zip(around, around[1:], wobble)]
+    results[ONLINE_SATURATED]["detail"] |= {"offline_tokens_per_s_around": around, "round_tokens_per_s": rates,
+                                            "offline_tokens_per_s": sum(around) / 17}
+    _, overhead = evaluate_targets(results)
+    assert overhead["passed"] is passed and "median of 16 rounds" in overhead["figure"]
+    assert f"{1 - ratio:.1%}" in overhead["figure"]
+    assert ("undecided" in overhead["note"] and "holds 10%" in overhead["note"]) == (passed is None)
 
 
 def test_targets_are_undecided_on_a_cpu_or_without_the_figures():
