@@ -30,7 +30,10 @@ M tokens (ignore_eos) — one untimed warm-up run, then --reps timed runs on pro
 drafts of 3 prompts: one prompt's acceptance length swung by +-0.5 between neighbouring γ). On a
 GPU every engine replays CUDA graphs: decode steps without speculation, verify and draft steps
 with it. Figures: the median run's output tokens/s (B·M / wall), the speed-up over no
-speculation at the same batch, and from the timed runs' drafts: mean acceptance length (tokens a
+speculation at the same batch (the no-speculation engine stays loaded, and a timed run of it on the
+same prompts goes just before every timed run of a speculative engine: the speed-up is the median
+of those pairs' ratios, since the host's speed drifts within a run by more than the differences
+measured), and from the timed runs' drafts: mean acceptance length (tokens a
 verify emits: accepted drafts + 1) and, per draft position j, the fraction of drafts with a token
 j whose token j was accepted.
 
@@ -363,6 +366,9 @@ class SpecBench:
                              f"{cfg.max_position_embeddings}")
         self.variants: dict[str, Path] = {}  # MTP-layer stem -> the checkpoint with that MTP layer
         self._variant: tuple[str, Any] | None = None  # the variant loaded now: (stem, Transformer)
+        # the no-speculation engine, kept for the whole run: a timed run of it, on the same prompts,
+        # goes just before every timed run of a speculative engine (the speed-ups' reference)
+        self.reference = None
         self._tmp: tempfile.TemporaryDirectory | None = None
         files = mtp_layer_files(s.mtp_layers, self.rungs) if s.mtp_layers else {}
         if files:
@@ -438,7 +444,10 @@ class SpecBench:
 
     def measure(self, llm, gamma: int, rung: Rung | None, batch: int, greedy: bool = False) -> SpecFigures:
         """One warm-up and `reps` timed runs of `batch` prompts on one engine (at temperature 0 and
-        named GREEDY + the rung with greedy)."""
+        named GREEDY + the rung with greedy). A speculative engine's timed runs each follow a timed
+        run of the no-speculation engine (self.reference) on the same prompts, seconds apart: their
+        walls (detail "reference_walls_s") pair with its own, so that its speed-up does not move
+        with the host's speed between this measurement and the no-speculation row's."""
         from megactx import SamplingParams
 
         s = self.s
@@ -447,8 +456,12 @@ class SpecBench:
                   for n in (s.warmup_len, s.output_len) for i in range(batch)]
         llm.generate(self.prompts(batch, 0), params[:batch], use_tqdm=False)
         walls, stats, tokens = [], [], 0
+        paired = rung is not None and self.reference is not None
+        reference_walls = []
         for run in range(1, s.reps + 1):
             prompts = self.prompts(batch, run)
+            if paired:
+                reference_walls.append(self._timed(self.reference, prompts, params[batch:]))
             _sync(s.device)
             start = time.perf_counter()
             outs = llm.generate(prompts, params[batch:], use_tqdm=False)
@@ -461,8 +474,16 @@ class SpecBench:
                                f"{s.output_len} a request")
         counts = sum_draft_stats(stats, gamma) if rung else {}
         name = (GREEDY if greedy else "") + (rung.name if rung else NO_SPEC)
+        detail = {"walls_s": walls} | ({"reference_walls_s": reference_walls} if paired else {})
         return SpecFigures(name, gamma, batch, batch * s.output_len, statistics.median(walls), **counts,
-                           detail={"walls_s": walls})
+                           detail=detail)
+
+    def _timed(self, llm, prompts: list[list[int]], params) -> float:
+        _sync(self.s.device)
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        _sync(self.s.device)
+        return time.perf_counter() - start
 
     def run(self, after_part: Callable[[dict[str, Any]], object] | None = None) -> dict[str, Any]:
         start, threads = time.perf_counter(), torch.get_num_threads()
@@ -482,6 +503,8 @@ class SpecBench:
                         self.results["runs"].append(f.to_dict())
                         self.progress.log(f"{name:<28} batch {batch:3d}: {fmt_num(f.tokens_per_s):>8} tokens/s, "
                                           f"acceptance length {fmt_num(f.mean_acceptance_length)}")
+                    if rung is None and not greedy:
+                        self.reference = llm  # measured; from here on the speculative runs' partner
                 except Exception as e:  # an engine that fails is reported, and the others still run
                     reason = f"{type(e).__name__}: {e}"
                     self.progress.log(f"{name}: not run: {reason}")
@@ -493,7 +516,7 @@ class SpecBench:
                     after_part(self.results)
         finally:
             torch.set_num_threads(threads)
-            self._variant = None
+            self._variant = self.reference = None
             if self._tmp is not None:
                 self._tmp.cleanup()
         return self.results
@@ -509,7 +532,13 @@ def _find(results: dict[str, Any], rung: str, gamma: int, batch: int) -> SpecFig
 
 
 def speedup(results: dict[str, Any], f: SpecFigures) -> float | None:
-    """f's output tokens/s over no speculation's at the same batch and temperature (None without that run)."""
+    """f's output tokens/s over no speculation's at the same batch and temperature: the median over
+    its timed runs of the no-speculation run just before each (same prompts) over it, where it has
+    them; else (a run from before they were recorded) against the no-speculation row. None without
+    either."""
+    walls, reference = f.detail.get("walls_s"), f.detail.get("reference_walls_s")
+    if walls and reference and len(walls) == len(reference):
+        return statistics.median(r / w for r, w in zip(reference, walls))  # the same tokens in both
     base = _find(results, (GREEDY if f.rung.startswith(GREEDY) else "") + NO_SPEC, 0, f.batch)
     return f.tokens_per_s / base.tokens_per_s if base else None
 
@@ -577,7 +606,8 @@ def render_markdown(results: dict[str, Any], targets: list[dict[str, Any]]) -> s
     if m["device"] != "cuda":
         out.append("**CPU run**: megactx runs its pure-torch kernel twins here; the targets are GPU targets.\n")
     out.append("Acceptance length: tokens a verify emits (accepted drafts + 1). Speed-up: output tokens/s over "
-               "no speculation at the same batch, on the same prompts"
+               "no speculation at the same batch, on the same prompts (the median over the timed runs, each "
+               "against a run of the no-speculation engine just before it: the host's speed drifts within a run)"
                + (" (every engine replays CUDA graphs for its decode, verify and draft steps)"
                   if m["device"] == "cuda" else "") + ".\n")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import statistics
 from pathlib import Path
 
 import pytest
@@ -80,8 +81,10 @@ def _check_bookkeeping(results: dict, gammas, batches, output_len: int, rungs=RU
         if rung.removeprefix(GREEDY) == NO_SPEC:
             assert f.num_drafts == 0 and f.mean_acceptance_length is None
             continue
-        base = runs[(GREEDY if rung.startswith(GREEDY) else "") + NO_SPEC, 0, batch]
-        assert speedup(results, f) == pytest.approx(f.tokens_per_s / base.tokens_per_s)
+        # its speed-up pairs each timed run with the no-speculation run on the same prompts just before it
+        walls, reference = f.detail["walls_s"], f.detail["reference_walls_s"]
+        assert len(walls) == len(reference) == results["settings"]["reps"] and min(reference) > 0
+        assert speedup(results, f) == pytest.approx(statistics.median(r / w for r, w in zip(reference, walls)))
         # every decoding step after the prefill's token verifies one draft a request, and emits at
         # least the token after the accepted drafts: no more drafts than tokens after the first
         assert batch <= f.num_drafts <= batch * (output_len - 1)
@@ -279,6 +282,21 @@ def test_targets_pass_on_a_rising_ladder_and_a_fast_enough_top_rung():
     assert [t["passed"] for t in targets] == [True, True, True]
     assert targets[0]["figure"].startswith(f"{TARGET_SPEEDUP + 0.5:.2f}x at γ = 7")
     assert targets[2]["figure"] == "5.29 vs 5.10"
+
+
+def test_the_speed_up_pairs_each_run_with_the_no_speculation_run_before_it():
+    """The host slows by 1.5x after the no-speculation row was measured: the speculative runs, each
+    paired with a no-speculation run just before it, still show their 2x; a run without pairs
+    (an older JSON) falls back to the no-speculation row."""
+    results = _results((4.56, 5.10, 5.29), speed=2.0)
+    f = next(SpecFigures.from_dict(d) for d in results["runs"] if d["rung"] != NO_SPEC)
+    real = speedup(results, f)  # as measured with the host at the no-speculation row's speed
+    f.wall_s = slow = 1.5 * f.wall_s
+    walls = [slow, slow * 1.1, slow * 0.9]
+    f.detail = {"walls_s": walls, "reference_walls_s": [real * w for w in walls]}
+    assert speedup(results, f) == pytest.approx(real)
+    f.detail = {"walls_s": walls}  # no pairs: against the row, and the drift shows
+    assert speedup(results, f) == pytest.approx(real / 1.5)
 
 
 def test_targets_fail_on_a_falling_rung_or_too_little_speed_up():
