@@ -910,8 +910,10 @@ class EngineBench:
         process's objects go out of the garbage collector's sight, as the server's engine process
         does with its own, so that the offline runs from here on (the online runs' references too)
         are not held up by full collections the served engine no longer makes."""
+        from megactx.serve import settle_heap
+
         llm = self.engine()
-        gc.freeze()  # (transformers' model is gone: the offline part deleted it, and _run_parts collected)
+        settle_heap()  # (transformers' model is gone: the offline part deleted it, and _run_parts collected)
         figures = self.referenced(lambda between: run_closed_loop(llm, self.s, between))
         self.results[CLOSED_LOOP] = figures.to_dict()
         self.progress.log(f"{CLOSED_LOOP}: {self.s.concurrency} requests in flight: "

@@ -52,10 +52,16 @@ def settle_heap(gc_threshold: int = 0) -> None:
     (unfrozen, ~0.3M objects: 180 ms of the tiny model's engine on a CPU, holding up its loop
     mid-stream). gc_threshold > 0: allocations between young-generation collections, instead of
     Python's 700 (a request's objects then mostly die before a collection looks at them)."""
+    import atexit
     import gc
 
     gc.collect()
     gc.freeze()
+    # given back at exit (once, however often this runs): objects still frozen when the interpreter
+    # shuts down are never freed, and Triton's nanobind bindings then print a page of "leaked
+    # instances" warnings (seen at every `megactx serve` shutdown, from its engine process)
+    atexit.unregister(gc.unfreeze)
+    atexit.register(gc.unfreeze)
     if gc_threshold > 0:
         gc.set_threshold(gc_threshold, *gc.get_threshold()[1:])
 
