@@ -11,6 +11,7 @@ test starts `python -m megactx serve` as a subprocess; a GPU test serves through
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -181,6 +182,15 @@ def test_gc_pauses_are_observed_outside_the_collector_and_a_gone_servers_watch_i
     assert len(gc.callbacks) == watching
     gc.collect()
     assert b"megactx_gc_pause_seconds_count" in second.render() and count(second) >= 1
+
+
+def test_a_settled_heap_is_given_back_at_exit_so_triton_reports_no_leaks():
+    """settle_heap freezes every object; a process that exits frozen (the engine process) never frees
+    Triton's, and its nanobind bindings print "leaked instances" at every server shutdown."""
+    code = "import megactx.kernels.indexer; from megactx.serve import settle_heap; settle_heap(); settle_heap()"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert done.returncode == 0 and "leaked" not in done.stderr, done.stderr[-2000:]
 
 
 def test_a_server_sets_its_collectors_threshold_while_it_serves_and_restores_it(checkpoint, offline):
@@ -643,9 +653,15 @@ def test_a_client_that_disconnects_frees_its_request(base_url, stream):
             next(lines)
             _wait_for(base_url, lambda m: m["megactx_num_requests_running"] == 1 and m["megactx_kv_blocks_used"] > 0,
                       "running the request")
-    else:  # the client gives up waiting for the whole response
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{base_url}/v1/completions", json=body, timeout=httpx.Timeout(TIMEOUT_S, read=0.5))
+    else:  # the client gives up waiting for the whole response: it closes its connection mid-request
+        # (once the request runs: a client gone before the server read its request leaves nothing to abort)
+        host, port = base_url.removeprefix("http://").rsplit(":", 1)
+        data = json.dumps(body).encode()
+        with socket.create_connection((host, int(port)), timeout=TIMEOUT_S) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: " + host.encode() + b"\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+            _wait_for(base_url, lambda m: m["megactx_num_requests_running"] == 1 and m["megactx_kv_blocks_used"] > 0,
+                      "running the request")
     m = _wait_idle(base_url)  # long before its ~900 tokens could have been made
     assert m["megactx_completions_finished_total{finish_reason=abort}"] == aborted + 1
 
