@@ -5,8 +5,8 @@
 #   scripts/train-megactx-tiny.sh [OUT]          # default OUT=runs/tiny
 #   SCALE=0.01 scripts/train-megactx-tiny.sh runs/probe   # every step of the pipeline, ~1% of the steps
 #   SEED=1 PATTERN=FSFSSSSS scripts/train-megactx-tiny.sh runs/tiny-b   # another seed / IndexShare pattern
-#   (also COPY_FORMS=half, TOPK=256, STAGE_STEPS=extend=120, SELECT_FP8=1, COMPILE=1: megactx train --copy-forms,
-#   --topk, --stage-steps, --select-fp8, --compile)
+#   (also COPY_FORMS=half, TOPK=256, STAGE_STEPS=extend=120, SELECT_FP8=1, COMPILE=1, CHUNK_MB=2048: megactx
+#   train --copy-forms, --topk, --stage-steps, --select-fp8, --compile, --chunk-mb)
 #   HF_OVERRIDES='{"num_hidden_layers": 16, "n_routed_experts": 4}' PATTERN=FSSSFSSSFSSSFSSS \
 #     scripts/train-megactx-tiny.sh runs/deep    # a deeper model (megactx train --hf-overrides)
 #
@@ -46,6 +46,7 @@ RECIPE=(--seed "${SEED:-0}")
 if [[ -n ${COPY_FORMS:-} ]]; then RECIPE+=(--copy-forms "$COPY_FORMS"); fi
 if [[ ${SELECT_FP8:-0} == 1 ]]; then RECIPE+=(--select-fp8); fi
 if [[ ${COMPILE:-0} == 1 ]]; then RECIPE+=(--compile); fi
+if [[ -n ${CHUNK_MB:-} ]]; then RECIPE+=(--chunk-mb "$CHUNK_MB"); fi
 if [[ -n ${TOPK:-} ]]; then RECIPE+=(--topk "$TOPK"); fi
 if [[ -n ${PATTERN:-} ]]; then RECIPE+=(--pattern "$PATTERN"); fi
 if [[ -n ${STAGE_STEPS:-} ]]; then RECIPE+=(--stage-steps "$STAGE_STEPS"); fi

@@ -893,6 +893,10 @@ def test_train_cli_overrides_reach_the_recipe():
     assert (recipe.model.index_topk, recipe.seed, recipe.copy_forms) == (256, 3, ("half",))
     assert recipe.model.indexer_types == tiny_recipe().model.indexer_types  # the pattern is kept
     assert build_recipe(parse(["train", "--smoke", "--compile"])).compile and not smoke_recipe().compile
+    recipe = build_recipe(parse(["train", "--recipe", "tiny", "--chunk-mb", "2048"]))
+    assert recipe.chunk_bytes == 2 << 30 and loss_config(recipe, "sparse").chunk_bytes == 2 << 30
+    with pytest.raises(ValueError, match="--chunk-mb"):
+        build_recipe(parse(["train", "--smoke", "--chunk-mb", "0"]))
     with pytest.raises(ValueError, match="--topk"):
         build_recipe(parse(["train", "--smoke", "--topk", "0"]))
     recipe = build_recipe(parse(["train", "--recipe", "tiny", "--pattern", "FSFSSSSS"]))
@@ -915,8 +919,6 @@ def test_train_cli_overrides_reach_the_recipe():
     assert cfg.rope_parameters == {**tiny.rope_parameters, "factor": 8}
     with pytest.raises(ValueError, match="did you mean 'num_hidden_layers'"):
         build_recipe(parse(["train", "--recipe", "tiny", "--hf-overrides", '{"num_layers": 16}']))
-    from megactx.train.recipe import loss_config
-
     recipe = build_recipe(parse(["train", "--recipe", "tiny", "--select-fp8"]))
     assert recipe.select_fp8 and all(loss_config(recipe, kind).select_fp8 for kind in ("sparse", "extend", "mtp"))
     assert not loss_config(tiny_recipe(), "sparse").select_fp8
