@@ -461,12 +461,9 @@ class SpecBench:
         for run in range(1, s.reps + 1):
             prompts = self.prompts(batch, run)
             if paired:
-                reference_walls.append(self._timed(self.reference, prompts, params[batch:]))
-            _sync(s.device)
-            start = time.perf_counter()
-            outs = llm.generate(prompts, params[batch:], use_tqdm=False)
-            _sync(s.device)
-            walls.append(time.perf_counter() - start)
+                reference_walls.append(self._timed(self.reference, prompts, params[batch:])[0])
+            wall, outs = self._timed(llm, prompts, params[batch:])
+            walls.append(wall)
             tokens += sum(len(o.token_ids) for o in outs)
             stats += [o.spec_decode for o in outs if o.spec_decode is not None]
         if tokens != batch * s.output_len * s.reps:  # ignore_eos: only the length ends a request
@@ -478,12 +475,13 @@ class SpecBench:
         return SpecFigures(name, gamma, batch, batch * s.output_len, statistics.median(walls), **counts,
                            detail=detail)
 
-    def _timed(self, llm, prompts: list[list[int]], params) -> float:
+    def _timed(self, llm, prompts: list[list[int]], params) -> tuple[float, list]:
+        """(wall seconds, outputs) of one llm.generate, the device idle at both ends."""
         _sync(self.s.device)
         start = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
+        outs = llm.generate(prompts, params, use_tqdm=False)
         _sync(self.s.device)
-        return time.perf_counter() - start
+        return time.perf_counter() - start, outs
 
     def run(self, after_part: Callable[[dict[str, Any]], object] | None = None) -> dict[str, Any]:
         start, threads = time.perf_counter(), torch.get_num_threads()

@@ -444,12 +444,13 @@ class TrainingAttention:
             keys_c, scores = gathered_scores(idx)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).nan_to_num(0.0)  # [B, Q, H, W]
         p = None
-        if want_p and extra is None:
-            p = probs.mean(2).detach()
-        elif want_p:  # the attention as it would be over the selection and the extra rows (a target only)
+        if want_p:
             with torch.no_grad():
-                wide = torch.cat([scores.detach(), gathered_scores(extra)[1]], dim=-1)
-                p = torch.softmax(wide, dim=-1, dtype=torch.float32).nan_to_num(0.0).mean(2)
+                if extra is None:
+                    p = probs.mean(2)
+                else:  # the attention as it would be over the selection and the extra rows (a target only)
+                    wide = torch.cat([scores, gathered_scores(extra)[1]], dim=-1)
+                    p = torch.softmax(wide, dim=-1, dtype=torch.float32).nan_to_num(0.0).mean(2)
         probs = probs.to(dtype)
         if idx is None:
             o_lat = torch.einsum("bqht,btr->bqhr", probs, keys_c)
