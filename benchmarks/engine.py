@@ -29,7 +29,9 @@ offline engine stays loaded beside the server (idle while the clients run), sinc
 speed drifts, within a run, by more than the 10% to be measured. The target is judged round by
 round: each round's overhead against the offline runs just before and after it, and the median of
 those with a distribution-free 95% interval (from 6 rounds on): passed when the interval lies below
-10%, failed when above, undecided when it holds 10%. Three runs, side by side: C
+10%, failed when above, undecided when it holds 10%. Independent runs of one workload can pool
+their rounds (`--from-json A B ...` reports A, judging the target on the rounds of all). Three
+runs, side by side: C
 clients with the engine in a thread of the server's process (`--no-engine-process`), and in a
 process of its own (serve's default; `--no-online-engine-process` skips that run); then the default
 server with its batch kept full: its --max-num-seqs is C and 2C clients send (--saturated-clients;
@@ -1032,7 +1034,41 @@ def paired_overheads(figures: RunFigures) -> list[float] | None:
     rates, around = figures.detail.get("round_tokens_per_s"), figures.detail.get("offline_tokens_per_s_around")
     if not rates or not around or len(around) != len(rates) + 1:
         return None
-    return [1 - rate / ((before + after) / 2) for rate, before, after in zip(rates, around, around[1:])]
+    pooled = [pair for run in figures.detail.get("pooled_runs", [])
+              for pair in zip(run["round_tokens_per_s"], run["offline_tokens_per_s_around"],
+                              run["offline_tokens_per_s_around"][1:])]
+    return [1 - rate / ((before + after) / 2) for rate, before, after in [*zip(rates, around, around[1:]), *pooled]]
+
+
+# what must agree between runs whose rounds are pooled (`--from-json A B ...`): the same workload on
+# the same machine kind, model and software
+POOL_MUST_MATCH = (("machine", ("device", "gpu", "torch", "triton")),
+                   ("settings", ("prompt_len", "output_len", "concurrency", "saturated_clients", "serve_args")),
+                   ("model", ("model_type", "layers", "hidden_size", "vocab_size", "params")))
+
+
+def pool_rounds(runs: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """The first run's results, with the server-overhead run's rounds of the others attached (its
+    detail's `pooled_runs`), so that the target is judged on all their rounds: independent runs of one
+    workload give exchangeable round pairs. ValueError names what differs or is missing."""
+    (_, first), rest = runs[0], runs[1:]
+    if not first.get(ONLINE_SATURATED):
+        raise ValueError(f"{runs[0][0]} has no {ONLINE_SATURATED} run to pool rounds into")
+    pooled = []
+    for name, results in rest:
+        for part, keys in POOL_MUST_MATCH:
+            for key in keys:
+                if results[part].get(key) != first[part].get(key):
+                    raise ValueError(f"cannot pool {name} with {runs[0][0]}: {part} {key} differs "
+                                     f"({results[part].get(key)!r} vs {first[part].get(key)!r})")
+        detail = (results.get(ONLINE_SATURATED) or {}).get("detail", {})
+        if not detail.get("round_tokens_per_s"):
+            raise ValueError(f"{name} has no rounds of its {ONLINE_SATURATED} run "
+                             "(a run of an older bench, or of --rounds 1)")
+        pooled.append({"source": str(name), "date": results["machine"].get("date"),
+                       **{k: detail[k] for k in ("round_tokens_per_s", "offline_tokens_per_s_around")}})
+    saturated = first[ONLINE_SATURATED]
+    return first | {ONLINE_SATURATED: saturated | {"detail": saturated["detail"] | {"pooled_runs": pooled}}}
 
 
 def median_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float, float] | None:
@@ -1097,9 +1133,14 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         if passed is None:
             note = "; ".join(filter(None, [
                 f"undecided: the 95% interval of the rounds' median, {low:.1%} - {high:.1%}, holds "
-                f"{MAX_SERVER_OVERHEAD:.0%}; run again with more --rounds", note]))
-        rows.append(_target(t, f"{middle:.1%}, median of {len(paired)} rounds each against the offline runs "
-                               f"just before and after it (95% interval {low:.1%} - {high:.1%}; all rounds: "
+                f"{MAX_SERVER_OVERHEAD:.0%}; run again with more --rounds, or pool this run's rounds with another's "
+                f"(--from-json A B)", note]))
+        runs = 1 + len(online.detail.get("pooled_runs", []))
+        others = ", ".join(r["date"] or r["source"] for r in online.detail.get("pooled_runs", []))
+        of_runs = f" of {runs} runs of this workload (this and {others})" if runs > 1 else ""
+        rows.append(_target(t, f"{middle:.1%}, median of {len(paired)} rounds{of_runs} each against the offline runs "
+                               f"just before and after it (95% interval {low:.1%} - {high:.1%}; "
+                               f"{'this run' + chr(39) + 's' if runs > 1 else 'all'} rounds together: "
                                f"{_overhead(online, offline):.1%}, {fmt_num(online.tokens_per_s)} online from "
                                f"{online.clients} clients vs {fmt_num(offline)} offline tokens/s at {online.batch})",
                             f"<= {MAX_SERVER_OVERHEAD:.0%}", passed, note))
@@ -1373,8 +1414,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads of every part, the server's too (default: 1 on a CPU, torch's "
                         "own on a GPU run)")
-    p.add_argument("--from-json", type=Path, default=None, metavar="FILE",
-                   help="do not measure: write the .md and .png again from a results JSON")
+    p.add_argument("--from-json", type=Path, nargs="+", default=None, metavar="FILE",
+                   help="do not measure: write the .md and .png again from a results JSON. Given several runs "
+                        "of one workload (same machine kind, software, model and sizes), the first is reported "
+                        "and the server-overhead target is judged on the rounds of all of them (written into "
+                        "the new JSON, so it renders again alike)")
+
+
+def pool_from_json(prog: str, paths: Sequence[Path], out: Path | None) -> int:
+    """`--from-json A B ...`: A's reports again, the server-overhead target judged on the rounds of all."""
+    try:
+        results = pool_rounds([(str(path), json.loads(Path(path).read_text())) for path in paths])
+    except (OSError, json.JSONDecodeError, KeyError, ValueError) as e:
+        why = f"a results JSON without {e}" if isinstance(e, KeyError) else e
+        print(f"{prog}: error: --from-json: {why}", file=sys.stderr)
+        return 2
+    for written in write_reports(results, out or Path(paths[0]).parent):
+        print(written)
+    return 0
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -1397,8 +1454,10 @@ def run(args: argparse.Namespace) -> int:
     """`megactx bench engine`: 0 on success (parts that could not run are reported in the results),
     2 on bad arguments or an unusable checkpoint."""
     prog = "megactx bench engine"
+    if args.from_json is not None and len(args.from_json) > 1:
+        return pool_from_json(prog, args.from_json, args.out)
     if args.from_json is not None:
-        return rerender_from_json(prog, args.from_json, args.out, write_reports)
+        return rerender_from_json(prog, args.from_json[0], args.out, write_reports)
     from megactx.generate import resolve_model
 
     progress = Progress()

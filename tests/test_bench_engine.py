@@ -5,6 +5,7 @@ from made-up figures."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import threading
@@ -421,6 +422,43 @@ def test_the_overhead_target_is_judged_on_the_rounds_median(ratio, passed):
     assert overhead["passed"] is passed and "median of 16 rounds" in overhead["figure"]
     assert f"{1 - ratio:.1%}" in overhead["figure"]
     assert ("undecided" in overhead["note"] and "holds 10%" in overhead["note"]) == (passed is None)
+
+
+def test_runs_of_one_workload_pool_their_rounds(tmp_path, capsys):
+    """Two runs whose 8 rounds each leave the interval holding 10% decide together (16 pairs); a
+    run of another workload is refused, naming what differs, and the pooled JSON renders alike."""
+    from benchmarks.engine import pool_rounds
+    from benchmarks.engine import run as run_bench
+
+    def with_rounds(ratios):
+        results = _fake_results("cuda", 6000.0, 500.0, 5700.0)
+        around = [6000.0] * (len(ratios) + 1)
+        results[ONLINE_SATURATED]["detail"] |= {"offline_tokens_per_s_around": around,
+                                                "round_tokens_per_s": [r * 6000.0 for r in ratios]}
+        return results
+
+    first = with_rounds([0.96, 0.95, 0.97, 0.94, 0.80, 0.95, 0.96, 0.93])  # 4th lowest of 8: 0.93 (7%)
+    second = with_rounds([0.95, 0.97, 0.96, 0.94, 0.95, 0.96, 0.94, 0.95]) | {
+        "machine": first["machine"] | {"date": "2026-01-02T00:00:00"}}
+    alone = evaluate_targets(first)[1]
+    assert alone["passed"] is None and "median of 8 rounds" in alone["figure"]  # interval 0.80 .. 0.97
+    pooled = pool_rounds([("a.json", first), ("b.json", second)])
+    assert first[ONLINE_SATURATED]["detail"].get("pooled_runs") is None  # the inputs are left as they were
+    _, target = evaluate_targets(pooled)
+    assert target["passed"] is True and "median of 16 rounds of 2 runs" in target["figure"]
+    assert "2026-01-02T00:00:00" in target["figure"]
+    other = second | {"settings": second["settings"] | {"output_len": 256}}
+    with pytest.raises(ValueError, match="settings output_len differs"):
+        pool_rounds([("a.json", first), ("c.json", other)])
+    # through the CLI: the pooled JSON written is a run of its own that renders the same target
+    for name, results in (("a.json", first), ("b.json", second), ("c.json", other)):
+        (tmp_path / name).write_text(json.dumps(results))
+    args = argparse.Namespace(from_json=[tmp_path / "a.json", tmp_path / "b.json"], out=tmp_path / "pooled")
+    assert run_bench(args) == 0
+    again = json.loads(next((tmp_path / "pooled").glob("engine-*.json")).read_text())
+    assert evaluate_targets(again)[1]["figure"] == target["figure"]
+    args.from_json = [tmp_path / "a.json", tmp_path / "c.json"]
+    assert run_bench(args) == 2 and "output_len differs" in capsys.readouterr().err
 
 
 def test_targets_are_undecided_on_a_cpu_or_without_the_figures():
