@@ -16,7 +16,9 @@ each with a bf16 and an FP8 cache, and with two shapes of top-k rows:
   the rest afresh from its causal window, as a real indexer's neighbouring rows overlap;
 - `uniform`: every row drawn independently from its causal window;
 - `local-sorted` (prefill, the best configuration only): `local` with each row's slots in
-  ascending order, to show what an indexer that emits sorted slots would buy.
+  ascending order, to show what an indexer that emits sorted slots would buy;
+- `bf16-partials` (decode and verify, the best split launch only): its split-K partial outputs in
+  bf16 (`sparse_mla(split_dtype=torch.bfloat16)`) instead of fp32.
 
 Before timing, every candidate is checked against the pure-PyTorch twin on a small case (the
 tests' error rule: max error at most 2x that of PyTorch at bf16, plus 1e-5). Peers in the same run:
@@ -281,6 +283,11 @@ def run_case(case: Case, cache: torch.Tensor, copy_gbps: float, failed: dict[str
         ms = time_launch(slots.sort(dim=1).values, **best.launch)
         add_row(case, best.config, best.splits, ms, copy_gbps, launch=best.launch, variant="sorted",
                 note="local-sorted: each row's slots in ascending order")
+    if case.decode and best is not None and best.launch is not None and (best.splits or 0) > 1:
+        # the best split launch with bf16 partials: half the scratch the splits write and the combine reads
+        ms = time_launch(**best.launch, split_dtype=torch.bfloat16)
+        add_row(case, best.config, best.splits, ms, copy_gbps, launch=best.launch, variant="bf16-partials",
+                note="the best launch, its partial outputs in bf16 (split_dtype)")
 
     # Peers: gathering the same rows alone, and (decode) the plain-PyTorch twin.
     flat, index = cache.view(-1, cache.shape[-1]), slots.flatten().long()

@@ -213,12 +213,13 @@ def _pad_at_end(slots: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
-@pytest.mark.parametrize("num_splits", [2, 3, 7])
-def test_sparse_mla_split_k_matches_twin(num_splits, fp8):
+@pytest.mark.parametrize("num_splits,split_dtype", [(2, None), (3, None), (7, None), (3, torch.bfloat16)])
+def test_sparse_mla_split_k_matches_twin(num_splits, split_dtype, fp8):
     # K = 100 in tiles of 16 is 7 tiles: 2 splits of 4 + 3 tiles, 3 of 3 + 3 + 1 (the last split holds
-    # only K's 4 leftover slots), 7 of one tile. Row 0 is empty, row 2 half empty.
+    # only K's 4 leftover slots), 7 of one tile. Row 0 is empty, row 2 half empty. bf16 partials:
+    # within the same error rule.
     q, cache, slots, scale = _paged_case(5, 16, 128, 32, 100, fp8=fp8, context=130, seed=20 + num_splits)
-    _check_against_twin(q, cache, slots, scale, 128, block_n=16, num_splits=num_splits)
+    _check_against_twin(q, cache, slots, scale, 128, block_n=16, num_splits=num_splits, split_dtype=split_dtype)
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
@@ -287,11 +288,12 @@ def test_choose_num_splits_follows_the_wave_model():
     (lambda a: {**a, "block_n": 24}, "block_n must be a power of two"),
     (lambda a: {**a, "num_stages": 0}, "num_stages must be >= 1"),
     (lambda a: {**a, "kernel": "cuda"}, "kernel must be one of"),
+    (lambda a: {**a, "split_dtype": torch.float16}, "split_dtype must be"),
     # fp32 q: no device runs it with a Hopper kernel (bf16 wgmma operands)
     (lambda a: {**a, "q": a["q"].float(), "kernel": "sm90"}, "kernel='sm90' cannot run this problem"),
     (lambda a: {**a, "q": a["q"].float(), "kernel": "sm90ws"}, "kernel='sm90ws' cannot run this problem"),
 ], ids=["q-rank", "q-dtype", "cache-page", "cache-dtype", "cache-row", "slots-rows", "slots-dtype", "rank",
-        "fp8-rank", "splits", "block-n", "stages", "kernel-name", "sm90-fp32-q", "sm90ws-fp32-q"])
+        "fp8-rank", "splits", "block-n", "stages", "kernel-name", "split-dtype", "sm90-fp32-q", "sm90ws-fp32-q"])
 def test_sparse_mla_rejects_bad_arguments(change, match):
     q, cache, slots, scale = _paged_case(3, 2, 128, 32, 8, fp8=False)
     args = change({"q": q, "kv_cache": cache, "topk_slots": slots, "softmax_scale": scale, "kv_lora_rank": 128})
@@ -458,11 +460,12 @@ def test_sm90_glm52_padded_topk(kernel):
 @needs_hopper
 @pytest.mark.parametrize("kernel", SM90_KERNELS)
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
-@pytest.mark.parametrize("T,num_splits", [(64, None), (64, 5), (256, None), (1, None)],
-                         ids=["decode64-auto", "decode64-5", "verify256-auto", "decode1-auto"])
-def test_sm90_split_k_glm52_decode(T, num_splits, fp8, kernel):
+@pytest.mark.parametrize("T,num_splits,split_dtype", [(64, None, None), (64, 5, None), (256, None, None),
+                                                       (1, None, None), (64, 2, torch.bfloat16)],
+                         ids=["decode64-auto", "decode64-5", "verify256-auto", "decode1-auto", "decode64-2-bf16"])
+def test_sm90_split_k_glm52_decode(T, num_splits, split_dtype, fp8, kernel):
     q, cache, slots, scale = _paged_case(T, 64, 512, 64, 2048, fp8=fp8, context=4096, device="cuda", seed=54 + T)
-    _check_against_twin(q, cache, slots, scale, 512, num_splits=num_splits, kernel=kernel)
+    _check_against_twin(q, cache, slots, scale, 512, num_splits=num_splits, kernel=kernel, split_dtype=split_dtype)
 
 
 @pytest.mark.gpu

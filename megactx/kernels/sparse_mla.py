@@ -889,7 +889,8 @@ def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor
                kv_lora_rank: int, topk_len: torch.Tensor | None = None, *, block_h: int | None = None,
                block_n: int | None = None,
                num_warps: int | None = None, num_stages: int | None = None,
-               num_splits: int | None = None, kernel: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               num_splits: int | None = None, kernel: str | None = None,
+               split_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed-form sparse MLA: each query token attends to its own top-k slots only.
 
     q: [T, H, r + dr] bf16 or fp32 (latent-space query ‖ roped query); kv_cache: paged
@@ -909,7 +910,9 @@ def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor
     or a Hopper kernel: "sm90", "sm90ws"; default `hopper_kernel` where `sm90_unsupported` is empty
     for it, else "triton"), block_h, block_n, num_warps, num_stages, and num_splits (split-K:
     chunks of each token's top-k, >= 1, capped at the number of key tiles; default from
-    `choose_num_splits` and the SM count). No host sync: safe under CUDA-graph capture (the split-K
+    `choose_num_splits` and the SM count), split_dtype: the dtype of the splits' partial outputs
+    (default fp32; bf16 halves what they write and the combine reads, at one more bf16 rounding of
+    each partial; their lse stays fp32). No host sync: safe under CUDA-graph capture (the split-K
     scratch comes from the caching allocator)."""
     if q.dim() != 3:
         raise ValueError(f"q must be [T, H, r + dr], got shape {tuple(q.shape)}")
@@ -953,6 +956,8 @@ def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor
             raise ValueError(f"{name} must be a power of two >= 16 (tl.dot's smallest tile side), got {value}")
     if num_stages is not None and num_stages < 1:
         raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    if split_dtype not in (None, torch.float32, torch.bfloat16):
+        raise ValueError(f"split_dtype must be torch.float32 or torch.bfloat16, got {split_dtype}")
     if kernel is not None and kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     check_device(q, kv_cache, topk_slots)
@@ -1000,8 +1005,8 @@ def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor
     else:
         kv_f32 = kv_bf16 = kv_cache  # unused
     if splits > 1:
-        # Partial outs stay fp32 (they are rescaled and summed); [T, splits, H, r] and [T, splits, H].
-        dst = torch.empty(T, splits, H, r, dtype=torch.float32, device=q.device)
+        # Partial outs, fp32 unless asked (they are rescaled and summed); [T, splits, H, r] and [T, splits, H].
+        dst = torch.empty(T, splits, H, r, dtype=split_dtype or torch.float32, device=q.device)
         dst_lse = torch.empty(T, splits, H, dtype=torch.float32, device=q.device)
     else:
         dst, dst_lse = out.unsqueeze(1), lse.unsqueeze(1)
