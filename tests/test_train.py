@@ -502,6 +502,30 @@ def test_the_yarn_stage_stretches_the_rotary_positions_from_there_on():
         dataclass_replace(recipe, stages=[dataclass_replace(recipe.stages[0], yarn=True), *recipe.stages[1:]])
 
 
+def test_a_yarn_factor_gives_the_extended_stages_position_headroom():
+    recipe = dataclass_replace(smoke_recipe(), yarn_factor=4.0)  # rows of 96 after 48, positions for 192
+    assert stage_model_config(recipe, stage_index("sparse")).rope_parameters["rope_type"] == "default"
+    for kind in ("extend", "indexers", "mtp"):
+        rope = stage_model_config(recipe, stage_index(kind)).rope_parameters
+        assert (rope["factor"], rope["original_max_position_embeddings"]) == (4.0, 48)
+    with pytest.raises(ValueError, match="at least the stretch of the yarn stages' rows, 2"):
+        dataclass_replace(recipe, yarn_factor=1.5)  # would leave trained rows past the stretched positions
+    with pytest.raises(ValueError, match="needs a stage with yarn on"):
+        dataclass_replace(recipe, stages=[dataclass_replace(s, yarn=False) for s in recipe.stages])
+
+
+def test_init_accepts_a_model_whose_yarn_this_stage_stretches_further():
+    from megactx.train.recipe import further_stretch
+
+    rope = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "original_max_position_embeddings": 4096,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+    assert further_stretch(rope, rope | {"factor": 32.0})
+    assert not further_stretch(rope, rope)  # equal: matched as it is, not stretched
+    assert not further_stretch(rope | {"factor": 32.0}, rope)  # a shorter stretch
+    assert not further_stretch(rope, rope | {"factor": 32.0, "original_max_position_embeddings": 2048})
+    assert not further_stretch({"rope_type": "default", "rope_theta": 1e6}, rope)  # not this rule: a whole run's
+
+
 # ---------------------------------------------------------------------------------------------
 # Trainer mechanics
 # ---------------------------------------------------------------------------------------------
@@ -789,10 +813,17 @@ def test_smoke_recipe_runs_every_stage_and_its_checkpoints_load(tmp_path, capsys
     assert main(["train", "--smoke", "--out", str(more), "--no-progress", "--stages", "extend",
                  "--stage-steps", "extend=4", "--init", str(out / "sparse" / "checkpoint")]) == 2
     assert "was started from" in capsys.readouterr().err
-    for options in (["--context", "128"], ["--topk", "8"]):  # other YaRN positions, another top-k: refused
+    for options in (["--context", "64"], ["--topk", "8"]):  # shorter YaRN positions, another top-k: refused
         assert main(["train", "--smoke", "--out", str(tmp_path / "other"), "--no-progress", "--stages", "extend",
                      "--init", str(tmp_path / "model"), *options]) == 2
         assert "does not match stage extend" in capsys.readouterr().err
+    # ...a further YaRN stretch of the same model is trained on, its positions now the larger factor's
+    assert main(["train", "--smoke", "--out", str(tmp_path / "stretched"), "--no-progress", "--stages", "extend",
+                 "--max-steps", "1", "--yarn-factor", "4", "--init", str(tmp_path / "model")]) == 0
+    stretched = load_model(tmp_path / "stretched" / "extend" / "checkpoint").cfg.rope_parameters
+    assert stretched == final.cfg.rope_parameters | {"factor": 4.0}
+    assert main(["train", "--smoke", "--out", str(tmp_path / "other"), "--no-progress", "--yarn-factor", "1.5"]) == 2
+    assert "--yarn-factor: yarn_factor must be at least the stretch" in capsys.readouterr().err
     # ...but a model the stage before would leave is adapted, as in a whole run: `extend` from `sparse`
     assert main(["train", "--smoke", "--out", str(tmp_path / "from-sparse"), "--no-progress", "--stages", "extend",
                  "--max-steps", "1", "--init", str(out / "sparse" / "checkpoint")]) == 0

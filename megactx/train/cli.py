@@ -6,6 +6,8 @@
     megactx train --recipe tiny --out runs/tiny --stages mtp_warmup,mtp --mtp-loss tv
     megactx train --recipe tiny --out runs/tiny --stages warmup,sparse --attention dsa   # an ablation
     megactx train --recipe tiny --out runs/more --stages extend --init models/megactx-tiny  # more steps
+    megactx train --recipe tiny --out runs/y32 --stages extend,indexers --init models/megactx-tiny \
+        --yarn-factor 32                                   # its 64K rows trained at 128K positions
     torchrun --nproc-per-node 2 -m megactx train --recipe tiny --out runs/tiny   # data parallel
 
 Every stage resumes its own checkpoint and starts from the previous stage's, so a run cut by
@@ -15,6 +17,7 @@ Every stage resumes its own checkpoint and starts from the previous stage's, so 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -46,6 +49,10 @@ def add_train_parser(subparsers: Any) -> None:
     p.add_argument("--context", default=None,
                    help=f"sequence length of the extend and indexers stages, or '{AUTO}': the longest that fits "
                         "this GPU (and --context-budget)")
+    p.add_argument("--yarn-factor", type=float, default=None, metavar="F",
+                   help="YaRN factor of the extend stage and those after it (default: its rows over the sparse "
+                        "stage's, 16 for tiny at 64K): a larger one trains the rotary positions the model will be "
+                        "served with past its trained rows (e.g. 32: positions for 128K, rows of 64K)")
     p.add_argument("--context-budget", type=float, default=None,
                    help="with --context auto: minutes the extend stage may take")
     p.add_argument("--attention", choices=("indexshare", "dsa", "dense"), default=None,
@@ -123,8 +130,6 @@ def stage_steps(spec: str) -> dict[str, int]:
 
 
 def build_recipe(args: argparse.Namespace):
-    import dataclasses
-
     from megactx.train.recipe import INDEXER_KL_KINDS, RECIPES
 
     recipe = RECIPES["smoke" if args.smoke else args.recipe]()
@@ -199,13 +204,16 @@ def build_recipe(args: argparse.Namespace):
         except ValueError:
             raise ValueError(f"--context must be a number of tokens or '{AUTO}', got {args.context!r}") from None
         set_long_context(recipe, length)
+    if args.yarn_factor is not None:  # checked against the rows the stages have by now (--context)
+        try:
+            recipe = dataclasses.replace(recipe, yarn_factor=args.yarn_factor)
+        except ValueError as e:
+            raise ValueError(f"--yarn-factor: {e}") from None
     return recipe
 
 
 def set_long_context(recipe, length: int) -> None:
     """The rows of the stages at the longest context (extend, indexers) become `length` tokens."""
-    import dataclasses
-
     from megactx.train.recipe import LONG_KINDS
 
     for stage in recipe.stages:
@@ -232,6 +240,7 @@ def run_train(args: argparse.Namespace) -> int:
             budget = None if args.context_budget is None else args.context_budget * 60
             length = find_max_context(recipe, index, out, list(AUTO_CONTEXTS), ctx, budget, log)
             set_long_context(recipe, length)
+            recipe = dataclasses.replace(recipe)  # checks --yarn-factor against the rows found
             log(f"extend and indexers stages: context {length}")
         run_recipe(recipe, out, stages, args.data_dir, ctx, args.max_steps,
                    None if args.time_limit is None else args.time_limit * 60, not args.no_progress, log, args.init)

@@ -147,7 +147,10 @@ class Recipe:
     (CodeSource). seed: the model's initialisation and the data's order, needles and copy windows.
     select_fp8: the sparse stages select keys as the serving engine's FP8 indexer cache does (the
     indexers' KL still trains their exact scores). compile: each stage compiles its model's layer
-    blocks (trainer.compile_blocks) before training: the same math, fewer kernels."""
+    blocks (trainer.compile_blocks) before training: the same math, fewer kernels. yarn_factor: the
+    YaRN factor of the stages from the first with `yarn` on (default: their longest rows over the
+    longest rows before it); a larger one trains the positions the model will be served with past
+    its trained rows."""
 
     name: str
     model: ModelConfig
@@ -162,6 +165,7 @@ class Recipe:
     seed: int = 0
     select_fp8: bool = False  # sparse layers select their top-k from FP8-simulated indexer scores
     compile: bool = False
+    yarn_factor: float | None = None
 
     def __post_init__(self) -> None:
         if not self.copy_forms or set(self.copy_forms) - set(COPY_FORMS):
@@ -174,9 +178,26 @@ class Recipe:
             if stage.yarn and (i == 0 or stage.train.seq_len <= max(s.train.seq_len for s in self.stages[:i])):
                 raise ValueError(f"stage {stage.kind!r} has yarn on: it must come after a stage and train longer rows "
                                  "than every stage before it (YaRN stretches the positions of those)")
+        if self.yarn_factor is not None:
+            stretch = self.yarn_stretch()
+            if stretch is None:
+                raise ValueError("yarn_factor needs a stage with yarn on (extend)")
+            if self.yarn_factor < stretch:
+                raise ValueError(f"yarn_factor must be at least the stretch of the yarn stages' rows, {stretch:g} "
+                                 f"(their longest over the longest before them), got {self.yarn_factor:g}")
         if any(s.kind in MTP_KINDS for s in self.stages) and not self.model.num_nextn_predict_layers:
             raise ValueError("MTP stages need model.num_nextn_predict_layers >= 1")
         LossConfig(mtp_steps=self.mtp_steps, mtp_loss=self.mtp_loss)  # validates both
+
+    def yarn_stretch(self, upto: int | None = None) -> float | None:
+        """How far the yarn stages among stages 0..upto (default: all) lengthen the rows: their longest
+        over the longest before the first of them (None without one)."""
+        stages = self.stages if upto is None else self.stages[: upto + 1]
+        yarn = [i for i, stage in enumerate(stages) if stage.yarn]
+        if not yarn:
+            return None
+        original = max(s.train.seq_len for s in self.stages[: yarn[0]])
+        return max(stages[i].train.seq_len for i in yarn) / original
 
     def stage_name(self, index: int) -> str:
         kind = self.stages[index].kind.replace("_", "-")
@@ -231,12 +252,11 @@ def stage_model_config(recipe: Recipe, index: int) -> ModelConfig:
         cfg = cfg.replace(index_topk=cfg.max_position_embeddings)  # every causal key: dense attention
     if kind in MTP_KINDS:
         cfg = cfg.replace(index_share_for_mtp_iteration=recipe.mtp_share)
-    yarn = [i for i in range(index + 1) if recipe.stages[i].yarn]
-    if yarn:
-        original = max(s.train.seq_len for s in recipe.stages[: yarn[0]])
-        stretched = max(recipe.stages[i].train.seq_len for i in yarn)
+    stretch = recipe.yarn_stretch(index)
+    if stretch is not None:
+        original = max(s.train.seq_len for s in recipe.stages[: next(i for i, s in enumerate(recipe.stages) if s.yarn)])
         cfg = cfg.replace(rope_parameters={
-            "rope_type": "yarn", "rope_theta": cfg.rope_theta, "factor": stretched / original,
+            "rope_type": "yarn", "rope_theta": cfg.rope_theta, "factor": recipe.yarn_factor or stretch,
             "original_max_position_embeddings": original, "beta_fast": 32, "beta_slow": 1,
             "mscale": 1.0, "mscale_all_dim": 1.0})  # DeepSeek-V3's YaRN settings
     return cfg
@@ -500,13 +520,24 @@ def init_matches(have: ModelConfig, wants: list[ModelConfig], init: Path, stage:
     """Refuse to start `stage` from a model directory (--init) trained with other positions or
     another top-k than this recipe gives the stage (wants[0]) or the stage before it (wants[1:]: a
     model that stage would have left, which this one adapts as it does in a whole run, e.g. `extend`
-    from a `sparse` model at its 4K positions): the weights would load and mean something else."""
+    from a `sparse` model at its 4K positions): the weights would load and mean something else. A
+    YaRN model that this stage's YaRN stretches further (a larger factor over the same original
+    length, e.g. a 64K model extended again with --context or --yarn-factor) is adapted the same way."""
     if any(all(getattr(have, k) == getattr(want, k) for k in INIT_MUST_MATCH) for want in wants):
+        return
+    if have.index_topk == wants[0].index_topk and further_stretch(have.rope_parameters, wants[0].rope_parameters):
         return
     diff = "; ".join(f"{k}: {getattr(have, k)} there, {getattr(wants[0], k)} here"
                      for k in INIT_MUST_MATCH if getattr(have, k) != getattr(wants[0], k))
-    raise ValueError(f"--init {init} does not match stage {stage} ({diff}) nor the stage before it; give the recipe "
-                     "options the model was trained with (--context, --topk)")
+    raise ValueError(f"--init {init} does not match stage {stage} ({diff}) nor the stage before it, nor does this "
+                     "stage stretch its YaRN positions further; give the recipe options the model was trained with "
+                     "(--context, --topk, --yarn-factor)")
+
+
+def further_stretch(have: dict, want: dict) -> bool:
+    """Whether rotary parameters `want` are `have`'s YaRN with a larger factor and all else equal."""
+    return (have.get("rope_type") == want.get("rope_type") == "yarn" and want["factor"] > have["factor"]
+            and {k: v for k, v in have.items() if k != "factor"} == {k: v for k, v in want.items() if k != "factor"})
 
 
 def seeded_mtp_layer(recipe: Recipe, model: Transformer) -> None:
