@@ -179,9 +179,10 @@ class Recipe:
                 raise ValueError(f"stage {stage.kind!r} has yarn on: it must come after a stage and train longer rows "
                                  "than every stage before it (YaRN stretches the positions of those)")
         if self.yarn_factor is not None:
-            stretch = self.yarn_stretch()
-            if stretch is None:
+            rows = self.yarn_rows()
+            if rows is None:
                 raise ValueError("yarn_factor needs a stage with yarn on (extend)")
+            stretch = rows[1] / rows[0]
             if self.yarn_factor < stretch:
                 raise ValueError(f"yarn_factor must be at least the stretch of the yarn stages' rows, {stretch:g} "
                                  f"(their longest over the longest before them), got {self.yarn_factor:g}")
@@ -189,15 +190,14 @@ class Recipe:
             raise ValueError("MTP stages need model.num_nextn_predict_layers >= 1")
         LossConfig(mtp_steps=self.mtp_steps, mtp_loss=self.mtp_loss)  # validates both
 
-    def yarn_stretch(self, upto: int | None = None) -> float | None:
-        """How far the yarn stages among stages 0..upto (default: all) lengthen the rows: their longest
-        over the longest before the first of them (None without one)."""
+    def yarn_rows(self, upto: int | None = None) -> tuple[int, int] | None:
+        """(original, stretched): the longest rows before the first yarn stage among stages 0..upto
+        (default: all) and the longest rows of those yarn stages (None without one)."""
         stages = self.stages if upto is None else self.stages[: upto + 1]
         yarn = [i for i, stage in enumerate(stages) if stage.yarn]
         if not yarn:
             return None
-        original = max(s.train.seq_len for s in self.stages[: yarn[0]])
-        return max(stages[i].train.seq_len for i in yarn) / original
+        return max(s.train.seq_len for s in stages[: yarn[0]]), max(stages[i].train.seq_len for i in yarn)
 
     def stage_name(self, index: int) -> str:
         kind = self.stages[index].kind.replace("_", "-")
@@ -252,11 +252,11 @@ def stage_model_config(recipe: Recipe, index: int) -> ModelConfig:
         cfg = cfg.replace(index_topk=cfg.max_position_embeddings)  # every causal key: dense attention
     if kind in MTP_KINDS:
         cfg = cfg.replace(index_share_for_mtp_iteration=recipe.mtp_share)
-    stretch = recipe.yarn_stretch(index)
-    if stretch is not None:
-        original = max(s.train.seq_len for s in recipe.stages[: next(i for i, s in enumerate(recipe.stages) if s.yarn)])
+    rows = recipe.yarn_rows(index)
+    if rows is not None:
+        original, stretched = rows
         cfg = cfg.replace(rope_parameters={
-            "rope_type": "yarn", "rope_theta": cfg.rope_theta, "factor": recipe.yarn_factor or stretch,
+            "rope_type": "yarn", "rope_theta": cfg.rope_theta, "factor": recipe.yarn_factor or stretched / original,
             "original_max_position_embeddings": original, "beta_fast": 32, "beta_slow": 1,
             "mscale": 1.0, "mscale_all_dim": 1.0})  # DeepSeek-V3's YaRN settings
     return cfg
