@@ -86,7 +86,9 @@ def write_kv(c: torch.Tensor, k_pe: torch.Tensor, slots: torch.Tensor, kv_cache:
 def read_kv(kv_cache: torch.Tensor, slots: torch.Tensor, kv_lora_rank: int) -> torch.Tensor:
     """slots: [...] int (>= 0) -> [..., r + dr] fp32 latent ‖ rope key, dequantized."""
     s = slots.long()
-    rows = kv_cache[s // BLOCK_SIZE, s % BLOCK_SIZE]  # [..., row]
+    # the cache's rows by slot (block * BLOCK_SIZE + offset): index_select on CPU is ~4x faster than
+    # advanced indexing by (block, offset)
+    rows = kv_cache.reshape(-1, kv_cache.shape[-1]).index_select(0, s.reshape(-1)).view(*s.shape, -1)
     if kv_cache.dtype != torch.uint8:
         return rows.float()
     r = kv_lora_rank
@@ -126,6 +128,10 @@ def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor
     valid = topk_slots >= 0  # [T, K]
     if topk_len is not None:
         valid &= torch.arange(topk_slots.shape[1], device=valid.device) < topk_len[:, None]
+    # Columns past the last valid slot of every row weigh nothing: a context shorter than the top-k
+    # (a short prompt) leaves most of them -1, so they are not read.
+    used = max(1, int(valid.any(0).nonzero().max()) + 1) if valid.any() else 1
+    valid, topk_slots = valid[:, :used], topk_slots[:, :used]
     kv = read_kv(kv_cache, topk_slots.clamp_min(0), kv_lora_rank)  # [T, K, r + dr] fp32
     scores = torch.einsum("thd,tkd->thk", q.float(), kv) * softmax_scale
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
