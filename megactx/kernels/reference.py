@@ -156,15 +156,23 @@ def indexer_logits(q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor, 
     T, HI, DI = q.shape
     pos = torch.arange(max_keys, device=q.device)
     visible = pos[None] < key_len[:, None]  # [T, L]
-    logits = torch.zeros(T, max_keys, dtype=torch.float32, device=q.device)
-    for b in seq_idx.unique().tolist():  # the keys of each sequence once, for all of its query rows
+    sequences = seq_idx.unique().tolist()
+    logits = torch.empty(T, max_keys, dtype=torch.float32, device=q.device) if len(sequences) > 1 else None
+    for b in sequences:  # the keys of each sequence once, for all of its query rows
         rows = (seq_idx == b).nonzero().squeeze(1)
         table = block_table[b].long()
         slots = table[(pos // BLOCK_SIZE).clamp_max(table.shape[0] - 1)] * BLOCK_SIZE + pos % BLOCK_SIZE  # [L]
         k, k_scale = read_index_k(index_cache, slots, DI)  # [L, DI], [L]: past a row's range masked below
-        dots = torch.einsum("thd,ld->thl", q[rows].float(), k).relu()  # [rows, HI, L]
-        logits[rows] = torch.einsum("th,thl->tl", w[rows].float(), dots) * k_scale
-    return logits.masked_fill(~visible, float("-inf"))
+        qb, wb = q[rows].float(), w[rows].float()
+        acc = torch.zeros(len(rows), max_keys, dtype=torch.float32, device=q.device)
+        for h in range(HI):  # a head at a time: [rows, L] buffers, never [rows, HI, L]
+            acc.addcmul_(wb[:, h, None], (qb[:, h] @ k.T).relu_())
+        acc.mul_(k_scale)
+        if logits is None:  # one sequence (a prefill chunk): its rows are all the rows
+            logits = acc
+        else:
+            logits[rows] = acc
+    return logits.masked_fill_(~visible, float("-inf"))
 
 
 def indexer_logits_contiguous(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor | None,
@@ -222,7 +230,12 @@ def _topk_positions(logits: torch.Tensor, k: int, key_len: torch.Tensor | None) 
     kth = logits.topk(k, dim=-1).values[:, -1:]  # [T, 1]
     above = logits > kth
     ties = logits == kth
-    chosen = above | (ties & (ties.cumsum(-1) <= k - above.sum(-1, keepdim=True)))  # k a row
+    chosen = above | ties
+    need = k - above.sum(-1, keepdim=True)  # [T, 1] of the ties a row takes
+    crowded = (ties.sum(-1, keepdim=True) > need).squeeze(1).nonzero().squeeze(1)  # rows with ties to spare
+    if crowded.numel():  # there, the lowest positions among the ties (k a row)
+        t = ties[crowded]
+        chosen[crowded] = above[crowded] | (t & (t.cumsum(-1) <= need[crowded]))
     cols = torch.arange(logits.shape[-1], device=logits.device)
     key = torch.where(chosen, -cols, -logits.shape[-1])  # the chosen rank first, lowest position first
     pos = key.topk(k, dim=-1).values.neg()  # [T, k] the chosen positions, ascending
