@@ -116,6 +116,9 @@ def read_index_k(index_cache: torch.Tensor, slots: torch.Tensor, index_dim: int)
 
 
 # ------------------------------------------------------------------------------ sparse MLA
+SPARSE_MLA_CHUNK_BYTES = 8 << 20  # the twin's gathered keys a row chunk (fp32): on a CPU they stay in cache
+
+
 def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor, softmax_scale: float,
                kv_lora_rank: int, topk_len: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed-form sparse MLA: each query token attends to its own top-k slots only.
@@ -132,13 +135,19 @@ def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor
     # (a short prompt) leaves most of them -1, so they are not read.
     used = max(1, int(valid.any(0).nonzero().max()) + 1) if valid.any() else 1
     valid, topk_slots = valid[:, :used], topk_slots[:, :used]
-    kv = read_kv(kv_cache, topk_slots.clamp_min(0), kv_lora_rank)  # [T, K, r + dr] fp32
-    scores = torch.einsum("thd,tkd->thk", q.float(), kv) * softmax_scale
-    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [T, H]
-    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
-    out = torch.einsum("thk,tkr->thr", probs, kv[..., :kv_lora_rank])
-    return out.to(q.dtype), lse
+    # rows at a time, their gathered keys within SPARSE_MLA_CHUNK_BYTES
+    step = max(1, SPARSE_MLA_CHUNK_BYTES // (4 * used * kv_cache.shape[-1]))
+    outs, lses = [], []
+    for i in range(0, max(q.shape[0], 1), step):
+        rows = slice(i, i + step)
+        kv = read_kv(kv_cache, topk_slots[rows].clamp_min(0), kv_lora_rank)  # [rows, K, r + dr] fp32
+        scores = torch.einsum("thd,tkd->thk", q[rows].float(), kv) * softmax_scale
+        scores = scores.masked_fill(~valid[rows, None, :], float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)  # [rows, H]
+        probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+        outs.append(torch.einsum("thk,tkr->thr", probs, kv[..., :kv_lora_rank]).to(q.dtype))
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
 
 
 # ------------------------------------------------------------------------------ indexer logits
