@@ -116,7 +116,7 @@ def read_index_k(index_cache: torch.Tensor, slots: torch.Tensor, index_dim: int)
 
 
 # ------------------------------------------------------------------------------ sparse MLA
-SPARSE_MLA_CHUNK_BYTES = 8 << 20  # the twin's gathered keys a row chunk (fp32): on a CPU they stay in cache
+SPARSE_MLA_CHUNK_BYTES = 8 << 20  # on a CPU, the twin's gathered keys a row chunk (fp32): they stay in cache
 
 
 def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor, softmax_scale: float,
@@ -135,8 +135,8 @@ def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor
     # (a short prompt) leaves most of them -1, so they are not read.
     used = max(1, int(valid.any(0).nonzero().max()) + 1) if valid.any() else 1
     valid, topk_slots = valid[:, :used], topk_slots[:, :used]
-    # rows at a time, their gathered keys within SPARSE_MLA_CHUNK_BYTES
-    step = max(1, SPARSE_MLA_CHUNK_BYTES // (4 * used * kv_cache.shape[-1]))
+    # on a CPU rows at a time, their gathered keys within SPARSE_MLA_CHUNK_BYTES; on a GPU all at once
+    step = max(1, SPARSE_MLA_CHUNK_BYTES // (4 * used * kv_cache.shape[-1])) if q.device.type == "cpu" else q.shape[0]
     outs, lses = [], []
     for i in range(0, max(q.shape[0], 1), step):
         rows = slice(i, i + step)
