@@ -1034,10 +1034,10 @@ def paired_overheads(figures: RunFigures) -> list[float] | None:
     rates, around = figures.detail.get("round_tokens_per_s"), figures.detail.get("offline_tokens_per_s_around")
     if not rates or not around or len(around) != len(rates) + 1:
         return None
-    pooled = [pair for run in figures.detail.get("pooled_runs", [])
-              for pair in zip(run["round_tokens_per_s"], run["offline_tokens_per_s_around"],
-                              run["offline_tokens_per_s_around"][1:])]
-    return [1 - rate / ((before + after) / 2) for rate, before, after in [*zip(rates, around, around[1:]), *pooled]]
+    runs = [(rates, around)] + [(run["round_tokens_per_s"], run["offline_tokens_per_s_around"])
+                                for run in figures.detail.get("pooled_runs", [])]
+    return [1 - rate / ((before + after) / 2)
+            for rates, around in runs for rate, before, after in zip(rates, around, around[1:])]
 
 
 # what must agree between runs whose rounds are pooled (`--from-json A B ...`): the same workload on
@@ -1138,9 +1138,10 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         runs = 1 + len(online.detail.get("pooled_runs", []))
         others = ", ".join(r["date"] or r["source"] for r in online.detail.get("pooled_runs", []))
         of_runs = f" of {runs} runs of this workload (this and {others})" if runs > 1 else ""
+        together = "this run's" if runs > 1 else "all"
         rows.append(_target(t, f"{middle:.1%}, median of {len(paired)} rounds{of_runs} each against the offline runs "
                                f"just before and after it (95% interval {low:.1%} - {high:.1%}; "
-                               f"{'this run' + chr(39) + 's' if runs > 1 else 'all'} rounds together: "
+                               f"{together} rounds together: "
                                f"{_overhead(online, offline):.1%}, {fmt_num(online.tokens_per_s)} online from "
                                f"{online.clients} clients vs {fmt_num(offline)} offline tokens/s at {online.batch})",
                             f"<= {MAX_SERVER_OVERHEAD:.0%}", passed, note))

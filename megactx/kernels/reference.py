@@ -133,7 +133,8 @@ def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor
         valid &= torch.arange(topk_slots.shape[1], device=valid.device) < topk_len[:, None]
     # Columns past the last valid slot of every row weigh nothing: a context shorter than the top-k
     # (a short prompt) leaves most of them -1, so they are not read.
-    used = max(1, int(valid.any(0).nonzero().max()) + 1) if valid.any() else 1
+    cols = valid.any(0).nonzero()
+    used = int(cols.max()) + 1 if cols.numel() else 1
     valid, topk_slots = valid[:, :used], topk_slots[:, :used]
     # on a CPU rows at a time, their gathered keys within SPARSE_MLA_CHUNK_BYTES; on a GPU all at once
     step = max(1, SPARSE_MLA_CHUNK_BYTES // (4 * used * kv_cache.shape[-1])) if q.device.type == "cpu" else q.shape[0]

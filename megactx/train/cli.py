@@ -203,7 +203,7 @@ def build_recipe(args: argparse.Namespace):
             length = int(args.context)
         except ValueError:
             raise ValueError(f"--context must be a number of tokens or '{AUTO}', got {args.context!r}") from None
-        set_long_context(recipe, length)
+        recipe = set_long_context(recipe, length)
     if args.yarn_factor is not None:  # checked against the rows the stages have by now (--context)
         try:
             recipe = dataclasses.replace(recipe, yarn_factor=args.yarn_factor)
@@ -212,13 +212,14 @@ def build_recipe(args: argparse.Namespace):
     return recipe
 
 
-def set_long_context(recipe, length: int) -> None:
-    """The rows of the stages at the longest context (extend, indexers) become `length` tokens."""
+def set_long_context(recipe, length: int):
+    """The recipe with the rows of the stages at the longest context (extend, indexers) `length`
+    tokens long (checked as a new recipe is: a yarn_factor against the new stretch)."""
     from megactx.train.recipe import LONG_KINDS
 
-    for stage in recipe.stages:
-        if stage.kind in LONG_KINDS:
-            stage.train = dataclasses.replace(stage.train, seq_len=length)
+    return dataclasses.replace(recipe, stages=[
+        dataclasses.replace(s, train=dataclasses.replace(s.train, seq_len=length)) if s.kind in LONG_KINDS else s
+        for s in recipe.stages])
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -239,8 +240,7 @@ def run_train(args: argparse.Namespace) -> int:
             index = recipe.stage_index("extend")
             budget = None if args.context_budget is None else args.context_budget * 60
             length = find_max_context(recipe, index, out, list(AUTO_CONTEXTS), ctx, budget, log)
-            set_long_context(recipe, length)
-            recipe = dataclasses.replace(recipe)  # checks --yarn-factor against the rows found
+            recipe = set_long_context(recipe, length)
             log(f"extend and indexers stages: context {length}")
         run_recipe(recipe, out, stages, args.data_dir, ctx, args.max_steps,
                    None if args.time_limit is None else args.time_limit * 60, not args.no_progress, log, args.init)
