@@ -41,8 +41,8 @@ def add_hf_overrides_argument(parser: argparse.ArgumentParser, help: str | None 
     parser.add_argument("--hf-overrides", type=_hf_overrides, default=None, metavar="JSON",
                         help=help or "change fields of the checkpoint's config.json before the model is built, "
                                      "nested objects merged key by key; e.g. '{\"rope_parameters\": {\"factor\": "
-                                     "32}}' serves megactx-tiny (trained at 64K with YaRN factor 16) past its trained "
-                                     "length")
+                                     "64}}' serves megactx-tiny (YaRN factor 32 over 4K: positions to 128K) with "
+                                     "positions to 256K")
 
 
 def _hf_overrides(text: str) -> dict[str, Any]:

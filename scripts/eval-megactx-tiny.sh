@@ -15,7 +15,7 @@
 #   3. needle retrieval of the shipped model up to and past its trained length (NEEDLE_MODEL: another
 #      directory with the same backbone, e.g. a bf16 export of the extend stage, so that the needles
 #      may run while the MTP variants train; the MTP stages leave the backbone untouched)
-#   3b. the same needles served with YaRN factor YARN_FACTOR (default 32) instead of the trained 16,
+#   3b. the same needles served with YaRN factor YARN_FACTOR (default 32; 64 once trained at 32) instead of the trained one,
 #      through --hf-overrides: how far past its trained length the model finds them then
 #   4. needle recall at RECALL_CONTEXTS (default 16k,64k), 100 cases each: for the missed needles,
 #      whether the retrieving layer's indexer dropped a needle token or the attention missed it

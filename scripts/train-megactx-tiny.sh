@@ -5,8 +5,8 @@
 #   scripts/train-megactx-tiny.sh [OUT]          # default OUT=runs/tiny
 #   SCALE=0.01 scripts/train-megactx-tiny.sh runs/probe   # every step of the pipeline, ~1% of the steps
 #   SEED=1 PATTERN=FSFSSSSS scripts/train-megactx-tiny.sh runs/tiny-b   # another seed / IndexShare pattern
-#   (also COPY_FORMS=half, TOPK=256, STAGE_STEPS=extend=120, SELECT_FP8=1, COMPILE=1, CHUNK_MB=2048: megactx
-#   train --copy-forms, --topk, --stage-steps, --select-fp8, --compile, --chunk-mb)
+#   (also COPY_FORMS=half, TOPK=256, STAGE_STEPS=extend=120, SELECT_FP8=1, COMPILE=1, CHUNK_MB=2048, YARN_FACTOR=32:
+#   megactx train --copy-forms, --topk, --stage-steps, --select-fp8, --compile, --chunk-mb, --yarn-factor)
 #   HF_OVERRIDES='{"num_hidden_layers": 16, "n_routed_experts": 4}' PATTERN=FSSSFSSSFSSSFSSS \
 #     scripts/train-megactx-tiny.sh runs/deep    # a deeper model (megactx train --hf-overrides)
 #
@@ -51,6 +51,7 @@ if [[ -n ${TOPK:-} ]]; then RECIPE+=(--topk "$TOPK"); fi
 if [[ -n ${PATTERN:-} ]]; then RECIPE+=(--pattern "$PATTERN"); fi
 if [[ -n ${STAGE_STEPS:-} ]]; then RECIPE+=(--stage-steps "$STAGE_STEPS"); fi
 if [[ -n ${HF_OVERRIDES:-} ]]; then RECIPE+=(--hf-overrides "$HF_OVERRIDES"); fi
+if [[ -n ${YARN_FACTOR:-} ]]; then RECIPE+=(--yarn-factor "$YARN_FACTOR"); fi
 LOGS="$OUT/logs"
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 mkdir -p "$LOGS"

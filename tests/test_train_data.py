@@ -33,6 +33,7 @@ from megactx.train.tokenizer import (
     CHAT_TEMPLATE,
     END,
     SPECIAL_TOKENS,
+    fingerprint,
     save_tokenizer,
     token_byte_lengths,
     train_tokenizer,
@@ -167,6 +168,31 @@ def test_prepare_data_reuses_its_directory_and_refuses_another_corpus(data, smal
         prepare_data(data.directory, corpus=small.subset([f.path for f in small.files[1:]]), vocab_size=VOCAB)
     with pytest.raises(ValueError, match="vocab_size"):
         prepare_data(data.directory, corpus=small, vocab_size=VOCAB * 2)
+
+
+def test_a_model_s_tokenizer_prepares_its_data_and_another_is_refused(data, small, tmp_path):
+    """Training a model further (megactx train --init) needs its own token ids: a new data directory
+    takes the model's tokenizer instead of training one, and one with another tokenizer is refused."""
+    from megactx.train.recipe import prepare_recipe_data, tiny_recipe
+
+    other = train_tokenizer([f.text for f in small.split("held_out")], VOCAB)  # another corpus, other ids
+    assert fingerprint(other) != fingerprint(data.tokenizer)
+    save_tokenizer(other, tmp_path / "model")
+    small.save_snapshot(tmp_path / "data" / "corpus")
+    recipe = tiny_recipe()
+    recipe = dataclasses.replace(recipe, model=recipe.model.replace(vocab_size=VOCAB))
+    _, taken, files = prepare_recipe_data(recipe, tmp_path / "data", tmp_path / "run", init=tmp_path / "model")
+    assert fingerprint(taken.tokenizer) == fingerprint(other)  # taken, not trained
+    assert (tmp_path / "run" / "tokenizer" / "tokenizer.json") in files
+    own = tmp_path / "own"  # the same corpus with its own tokenizer
+    small.save_snapshot(own / "corpus")
+    prepare_data(own, vocab_size=VOCAB, tokenizer=data.tokenizer)
+    with pytest.raises(ValueError, match="another tokenizer than --init .*model's"):
+        prepare_recipe_data(recipe, own, tmp_path / "run2", init=tmp_path / "model")
+    with pytest.raises(ValueError, match="the run's tokenizer"):  # a run trained with another tokenizer
+        prepare_recipe_data(recipe, own, tmp_path / "run")
+    main([str(tmp_path / "cli"), "--corpus", str(tmp_path / "data" / "corpus"), "--tokenizer", str(tmp_path / "model")])
+    assert fingerprint(prepare_data(tmp_path / "cli", vocab_size=VOCAB, corpus=small).tokenizer) == fingerprint(other)
 
 
 # -- packing, sharding, bits per byte -------------------------------------------------------------

@@ -106,7 +106,8 @@ def add_train_parser(subparsers: Any) -> None:
     p.add_argument("--init", type=Path, default=None, metavar="MODEL_DIR",
                    help="start the first of --stages from this model directory's weights instead of the previous "
                         "stage's checkpoint, e.g. more extend steps on a shipped model: --stages extend --init "
-                        "models/megactx-tiny (noted in the stage directory's init.json)")
+                        "models/megactx-tiny (noted in the stage directory's init.json). A new data directory "
+                        "takes the model's tokenizer; one prepared with another is refused")
     p.add_argument("--parallel", choices=("auto", "fsdp", "ddp"), default=None, help="data-parallel wrapper")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--export", type=Path, default=None,

@@ -281,13 +281,17 @@ class TrainingData:
 
 
 def prepare_data(directory: str | Path, corpus: Corpus | None = None,
-                 vocab_size: int = DEFAULT_VOCAB_SIZE) -> TrainingData:
+                 vocab_size: int = DEFAULT_VOCAB_SIZE, tokenizer: Tokenizer | None = None,
+                 tokenizer_source: str = "the tokenizer given") -> TrainingData:
     """Prepare `directory` once and load it afterwards: `manifest.json` (the corpus), `tokenizer/`
     (trained on the train split), `tokens-*.npz` (the cache of ids).
 
     corpus: default `directory/corpus/` if it holds a snapshot, else this interpreter's stdlib.
-    A directory prepared from another corpus, or with another vocab_size, is refused rather than
-    silently retrained: models trained on it depend on its tokenizer."""
+    tokenizer: use this one instead of training one (a model's, to train that model further:
+    its token ids only mean its own tokens); `tokenizer_source` names it in errors.
+    A directory prepared from another corpus, with another vocab_size, or with a tokenizer other
+    than `tokenizer`, is refused rather than silently retrained: models trained on it depend on its
+    tokenizer."""
     directory = Path(directory)
     if corpus is None:
         snapshot = directory / CORPUS_SNAPSHOT
@@ -304,9 +308,16 @@ def prepare_data(directory: str | Path, corpus: Corpus | None = None,
     tok_dir = directory / TOKENIZER_DIR
     if (tok_dir / "tokenizer.json").is_file():
         tok = load_tokenizer(tok_dir)
+        if tokenizer is not None and fingerprint(tok) != fingerprint(tokenizer):
+            raise ValueError(f"{tok_dir} holds another tokenizer than {tokenizer_source} (trained on another corpus "
+                             "or by another version): its token ids would mean other tokens. Prepare a new data "
+                             "directory with that tokenizer (python -m megactx.train.data NEW_DIR --tokenizer MODEL)")
         if tok.get_vocab_size() != vocab_size:
             raise ValueError(f"{tok_dir} holds a tokenizer of {tok.get_vocab_size()} tokens, not vocab_size="
                              f"{vocab_size}; pass vocab_size={tok.get_vocab_size()} or prepare a new directory")
+    elif tokenizer is not None:
+        tok = tokenizer
+        save_tokenizer(tok, tok_dir)
     else:
         tok = train_tokenizer((f.text for f in corpus.split("train")), vocab_size)
         save_tokenizer(tok, tok_dir)
@@ -335,10 +346,15 @@ def main(argv: list[str] | None = None) -> None:
                              "DIR/corpus/ or this interpreter's stdlib")
     parser.add_argument("--snapshot", action="store_true",
                         help="also copy the corpus into DIR/corpus/, so DIR trains the same on any machine")
+    parser.add_argument("--tokenizer", metavar="MODEL",
+                        help="take this model directory's tokenizer.json instead of training a tokenizer (to train "
+                             "that model further: megactx train --init MODEL --data-dir DIR)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     corpus = Corpus.from_directory(args.corpus) if args.corpus else None
-    data = prepare_data(args.directory, corpus=corpus, vocab_size=args.vocab_size)
+    tok = load_tokenizer(args.tokenizer) if args.tokenizer else None
+    data = prepare_data(args.directory, corpus=corpus, vocab_size=tok.get_vocab_size() if tok else args.vocab_size,
+                        tokenizer=tok, tokenizer_source=f"{args.tokenizer}'s")
     if args.snapshot and not (data.directory / CORPUS_SNAPSHOT / MANIFEST).is_file():
         data.corpus.save_snapshot(data.directory / CORPUS_SNAPSHOT)
     print(f"corpus: Python {data.corpus.python_version} stdlib, {len(data.corpus.files)} files, "
