@@ -186,6 +186,11 @@ def test_needle_accuracy_is_counted_per_context_and_depth(generator, kind):
         assert report.holds_up_to() is None
     if kind == "oracle":
         assert report.holds_up_to() == CONTEXT and report.summary()["results"]["all"]["holds_up_to"] == CONTEXT
+        # the progress bar (shown on a terminal only) and the log of each task and context change nothing
+        said = []
+        again = evaluate_needles(ANSWERERS[kind], generator, TASKS, [CONTEXT, 384], NUM_CASES, seed=2, batch_size=2,
+                                 depth_buckets=2, progress=True, log=said.append)
+        assert again == report and len(said) == len(TASKS) * 2 and said[0].endswith(f"100.0% of {NUM_CASES}")
 
 
 def test_shards_run_the_whole_runs_cases_and_merge_back_into_it(generator):

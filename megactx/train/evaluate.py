@@ -30,6 +30,7 @@ import argparse
 import json
 import math
 import sys
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -38,6 +39,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from megactx.analysis.flops import context_label, parse_context
 from megactx.train.needles import STANDARD_TASKS, NeedleCase, NeedleGenerator, NeedleTask
@@ -451,11 +453,13 @@ def evaluate_needles(answer: Answerer, generator: NeedleGenerator, tasks: Sequen
                      contexts: Sequence[int], num_cases: int, seed: int, model: str = "", batch_size: int = 8,
                      depth_buckets: int = DEFAULT_DEPTH_BUCKETS, threshold: float = DEFAULT_THRESHOLD,
                      trained_length: int | None = None, log: Callable[[str], object] | None = None,
-                     engine: str = "", shard: tuple[int, int] = (0, 1)) -> NeedleReport:
+                     engine: str = "", shard: tuple[int, int] = (0, 1), progress: bool = False) -> NeedleReport:
     """Run `num_cases` cases of every task at every context through `answer`, `batch_size` cases
     at a time (a 1M-token prompt is large: cases are made as they are needed), and score them by
     exact match. shard (I, N): only cases I, I + N, ... of each task and context (their indices and
-    depths those of the whole run), for `merge_needle_reports` to join with the other shards."""
+    depths those of the whole run), for `merge_needle_reports` to join with the other shards.
+    progress: a bar over every case (on a terminal), with the context, the accuracy so far there
+    and the prompt tokens a second."""
     if num_cases < 1:
         raise ValueError(f"--cases must be at least 1, got {num_cases}")
     if batch_size < 1:
@@ -469,6 +473,9 @@ def evaluate_needles(answer: Answerer, generator: NeedleGenerator, tasks: Sequen
     report = NeedleReport(model, seed, sorted(contexts), [t.label for t in tasks], depth_buckets, threshold,
                           trained_length, engine=engine, num_cases=num_cases)
     depths = case_depths(num_cases)
+    bar = tqdm(total=len(report.contexts) * len(tasks) * len(indices), unit="case", desc="needles",
+               disable=None if progress else True, dynamic_ncols=True)
+    start, tokens = time.perf_counter(), 0
     for context in report.contexts:
         for task in tasks:
             cases = zip(indices, needle_cases(generator, task, context, num_cases, seed, indices))
@@ -478,9 +485,15 @@ def evaluate_needles(answer: Answerer, generator: NeedleGenerator, tasks: Sequen
                     report.outcomes.append(NeedleOutcome(task.label, context, index, float(depths[index]),
                                                          len(case.input_ids), case.answer, output,
                                                          case.is_correct(output)))
+                tokens += sum(len(case.input_ids) for _, case in batch)
+                bar.set_postfix_str(f"{task.label} @ {context_label(context)}: "
+                                    f"{report.accuracy(task.label, context):.1%}, "
+                                    f"{tokens / (time.perf_counter() - start):,.0f} prompt tokens/s", refresh=False)
+                bar.update(len(batch))
             if log:
                 log(f"{task.label} @ {context_label(context)}: {report.accuracy(task.label, context):.1%} "
                     f"of {len(indices)}")
+    bar.close()
     return report
 
 
@@ -587,6 +600,7 @@ def add_eval_parser(subparsers: Any) -> None:
                    help="run only cases I, I + N, I + 2N, ... of each task and context (0 <= I < N), the same "
                         "cases the whole run has; join the shards' needles.json with `megactx eval "
                         "needles-merge` (default: every case)")
+    n.add_argument("--no-progress", action="store_true", help="no progress bar (it shows on a terminal only)")
     common(n, None)
     n.set_defaults(func=run_needles)
 
@@ -679,7 +693,8 @@ def run_needles(args: argparse.Namespace) -> int:
                   index_cache_dtype=args.index_cache_dtype, hf_overrides=args.hf_overrides)
         report = evaluate_needles(EngineAnswerer(llm), generator, tasks, contexts, args.cases, args.seed,
                                   str(args.model), args.batch_size, args.depth_buckets, args.threshold,
-                                  args.trained_length, log=print, engine=engine_description(llm), shard=shard)
+                                  args.trained_length, log=tqdm.write, engine=engine_description(llm), shard=shard,
+                                  progress=not args.no_progress)
     except (OSError, ValueError) as e:
         return _fail(str(e))
     print(report.markdown())
