@@ -235,21 +235,27 @@ def _topk_positions(logits: torch.Tensor, k: int, key_len: torch.Tensor | None) 
         logits = torch.nn.functional.pad(logits, (0, k - logits.shape[-1]), value=float("-inf"))
     if k == 0:
         return torch.zeros(logits.shape[0], 0, dtype=torch.int32, device=logits.device)
-    # every key above the k-th largest value, then the lowest positions among those equal to it (ties
-    # go to the lowest position, as the kernel): two top-k passes, where a full row sort cost more
-    kth = logits.topk(k, dim=-1).values[:, -1:]  # [T, 1]
+    vals, pos = logits.topk(k, dim=-1)  # [T, k], largest first: a row's candidates before its -inf
+    # The set is torch.topk's unless the k-th value has ties left out, among which torch.topk picks in
+    # no set order; there the lowest positions are taken, as the kernel does. Ties at -inf need no rule:
+    # those positions become -1.
+    kth = vals[:, -1:]
+    spare = ((logits >= kth).sum(-1) > k) & (kth.squeeze(1) > float("-inf"))
+    rows = spare.nonzero().squeeze(1)
+    if rows.numel():
+        pos[rows] = _lowest_ties(logits[rows], k, kth[rows])
+    return pos.masked_fill(vals == float("-inf"), -1).int()
+
+
+def _lowest_ties(logits: torch.Tensor, k: int, kth: torch.Tensor) -> torch.Tensor:
+    """[T, k] positions, ascending: every key above kth [T, 1], then the lowest positions equal to it."""
     above = logits > kth
     ties = logits == kth
-    chosen = above | ties
     need = k - above.sum(-1, keepdim=True)  # [T, 1] of the ties a row takes
-    crowded = (ties.sum(-1, keepdim=True) > need).squeeze(1).nonzero().squeeze(1)  # rows with ties to spare
-    if crowded.numel():  # there, the lowest positions among the ties (k a row)
-        t = ties[crowded]
-        chosen[crowded] = above[crowded] | (t & (t.cumsum(-1) <= need[crowded]))
+    chosen = above | (ties & (ties.cumsum(-1) <= need))
     cols = torch.arange(logits.shape[-1], device=logits.device)
     key = torch.where(chosen, -cols, -logits.shape[-1])  # the chosen rank first, lowest position first
-    pos = key.topk(k, dim=-1).values.neg()  # [T, k] the chosen positions, ascending
-    return pos.masked_fill(logits.gather(1, pos) == float("-inf"), -1).int()
+    return key.topk(k, dim=-1).values.neg()
 
 
 def chunked_topk(logits_fn, topk_fn, q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor,
@@ -284,8 +290,14 @@ def indexer_topk_chunked(q: torch.Tensor, w: torch.Tensor, index_cache: torch.Te
                          seq_idx: torch.Tensor, key_len: torch.Tensor, k: int, chunk_tokens: int,
                          key_len_host: torch.Tensor | None = None) -> torch.Tensor:
     """Top-k keys of each query row as physical slots [T, k] int32 (-1 = none); see `chunked_topk`."""
-    return chunked_topk(indexer_logits, topk_rows, q, w, index_cache, block_table, seq_idx, key_len, k,
+    return chunked_topk(indexer_logits, _topk_of_masked_rows, q, w, index_cache, block_table, seq_idx, key_len, k,
                         chunk_tokens, key_len_host)
+
+
+def _topk_of_masked_rows(logits: torch.Tensor, k: int, key_len: torch.Tensor, out: torch.Tensor,
+                         **slots) -> torch.Tensor:
+    """`topk_rows` of `indexer_logits`' rows, which are -inf past key_len already: no second mask."""
+    return topk_rows(logits, k, None, out, **slots)
 
 
 # The counter-based streams of `megactx.kernels.rng` (its module docstring defines the values).
