@@ -99,6 +99,12 @@ def test_a_needle_context_beyond_the_model_or_a_missing_model_is_refused(ckpt, t
     assert code == 2 and "--needle-context 131072 exceeds the model's context of 65536 tokens" in err
     code, _, err = _demo(capsys, "--model", str(tmp_path / "missing"), "--context", "32k")
     assert code == 2 and "missing" in err and "config.json" in err
+    # without --needle-context, a model shorter than the default's 64K shows a needle at its whole context
+    short = make_random_checkpoint(tmp_path / "short", preset="tiny", seed=3, vocab_size=1024, num_hidden_layers=2,
+                                   max_position_embeddings=768, dtype=torch.float32)
+    code, out, err = _demo(capsys, "--model", str(short), "--max-tokens", "4", "--context", "32k")
+    assert code == 0, err
+    assert "== Needle retrieval at 768 tokens, sparse attention ==" in out
 
 
 @pytest.mark.skipif(shipped_model() is None, reason="the shipped megactx-tiny model is not in models/")
