@@ -325,8 +325,8 @@ def test_fused_plan_small_k_many_rows_cuda(k):
 
 @pytest.mark.parametrize("levels", [3, 50, None])  # integer logits of few or many levels (ties), or Gaussian
 def test_the_twin_selects_what_the_kernel_documents(levels):
-    """reference.topk_rows (the CPU engine's path and the kernel's twin) picks two top-k passes'
-    worth, not a row sort: the same keys, ties at the threshold to the lowest positions."""
+    """reference.topk_rows (the CPU engine's path and the kernel's twin) takes torch.topk's set, and
+    in rows whose k-th value has ties left out the lowest positions among them, as the kernel does."""
     from megactx.kernels import reference as ref
 
     gen = torch.Generator().manual_seed(levels or 0)
