@@ -19,11 +19,12 @@ the tiny preset instead: its IndexShare schedule, the top-k each shared layer re
 forms agreeing, greedy MTP drafting with IndexShare + KVShare, and the engine (paged KV, prefix
 caching, speculative decoding) producing the reference model's greedy tokens. Its outputs are noise.
 
-On a CPU the engine runs the kernels' PyTorch twins on --threads threads (default 1: a tiny model's
-ops are too small to share, and threads spin against each other). The needle's prefill takes most
-of the time, and it grows with the square of --needle-context: each query's indexer scores every
-earlier key (on an idle 2-core machine: 32K tokens in ~20 s, 64K, the default and the shipped
-model's trained length, in ~75 s).
+On a CPU the engine runs the kernels' PyTorch twins on --threads threads. By default the needle's
+prefill, whose ops are large, takes every core this process may use, and the rest takes one: a tiny
+model's decoding ops are too small to share, and threads spin against each other. The needle's
+prefill takes most of the time, and it grows with the square of --needle-context: each query's indexer scores every
+earlier key (on an idle 2-core machine: 64K tokens, the default and the shipped model's trained
+length, in ~45 s on both cores, ~75 s on one).
 """
 
 from __future__ import annotations
@@ -85,8 +86,9 @@ def add_demo_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the needle case and of the random model (default 0)")
     p.add_argument("--seqlen", type=int, default=256, help="random model: prompt length of its forward (default 256)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads on a CPU (default 1: a tiny model's ops are too small to split)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads on a CPU (default: every core for the needle's prefill, 1 for the rest, "
+                        "whose ops are too small to split)")
     p.set_defaults(func=run_demo)
 
 
@@ -113,7 +115,7 @@ def run_demo(args: argparse.Namespace) -> int:
             raise ValueError(f"--max-tokens must be at least 1, got {args.max_tokens}")
         if args.num_speculative_tokens < 0:
             raise ValueError(f"--num-speculative-tokens must be >= 0 (0 = off), got {args.num_speculative_tokens}")
-        if args.threads < 1:
+        if args.threads is not None and args.threads < 1:
             raise ValueError(f"--threads must be at least 1, got {args.threads}")
         if args.random and args.model:
             raise ValueError("--random shows a random model; drop --model, or drop --random to show the checkpoint")
@@ -121,7 +123,7 @@ def run_demo(args: argparse.Namespace) -> int:
     except ValueError as e:
         return _fail(str(e).replace("--contexts", "--needle-context"))  # parse_contexts names eval's flag
 
-    with cpu_threads(args.threads, args.device):
+    with cpu_threads(args.threads or 1, args.device):
         start = time.perf_counter()
         print("== Per-token cost of decoding, GLM-5.2 (IndexShare) vs GLM-5.1 (an indexer in every layer) ==\n")
         results = {name: [token_cost(ModelConfig.from_pretrained(name), c) for c in flops_contexts]
@@ -158,6 +160,7 @@ def checkpoint_demo(path: Path, needle_contexts: list[int], args: argparse.Names
     """Sections 2 and 3 of the module docstring for the checkpoint at `path`, after a line about
     the model. Without a tokenizer.json they are skipped (both need text)."""
     from megactx.config import ModelConfig
+    from megactx.generate import cpu_threads, usable_cores
     from megactx.model import load_model
     from megactx.train.data import needle_generator
     from megactx.train.evaluate import held_out_corpus
@@ -187,7 +190,9 @@ def checkpoint_demo(path: Path, needle_contexts: list[int], args: argparse.Names
     chunk = CUDA_PREFILL_CHUNK if on_cuda else CPU_PREFILL_CHUNK
     generator = needle_generator(path, "held_out", held_out_corpus())
     for context in needle_contexts:
-        show_needle(needle_demo(model, path, generator, context, args.seed, args.device, chunk), cfg)
+        with cpu_threads(args.threads or usable_cores(), args.device):  # a long prefill's ops are large
+            run = needle_demo(model, path, generator, context, args.seed, args.device, chunk)
+        show_needle(run, cfg)
     gamma = args.num_speculative_tokens if cfg.num_nextn_predict_layers else 0
     if args.num_speculative_tokens and not gamma:
         print("\n(this checkpoint has no MTP layer: no speculative decoding)")

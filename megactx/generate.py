@@ -182,6 +182,16 @@ def cpu_threads(num_threads: int, device: str) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+def usable_cores() -> int:
+    """CPU cores this process may run on: its affinity where the OS says, else all of them."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
 def read_prompt(value: str, stdin: TextIO) -> str:
     """The --prompt text: the value itself, or stdin for '-' less one trailing newline."""
     if value != "-":

@@ -31,7 +31,8 @@ def ckpt(tmp_path_factory):
 
 
 def _demo(capsys, *flags: str) -> tuple[int, str, str]:
-    code = main(["demo", *flags])
+    threads = [] if "--threads" in flags else ["--threads", "1"]  # the suite's workers share the cores
+    code = main(["demo", *flags, *threads])
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 
@@ -117,3 +118,21 @@ def test_demo_on_the_shipped_model(capsys):
     acceptance = float(re.search(r"mean acceptance length (\d+\.\d+)", out).group(1))
     assert acceptance >= 1.0
     assert "greedy texts identical with and without speculation: True" in out
+
+
+def test_by_default_the_needle_prefill_takes_every_core_and_the_rest_one(ckpt, capsys, monkeypatch):
+    import megactx.demo as demo
+    import megactx.generate as generate
+
+    seen, needle_demo = [], demo.needle_demo
+
+    def watched(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return needle_demo(*args, **kwargs)
+
+    monkeypatch.setattr(demo, "needle_demo", watched)
+    monkeypatch.setattr(generate, "usable_cores", lambda: 2)
+    assert main(["demo", "--model", str(ckpt), *SMALL]) == 0, capsys.readouterr().err
+    assert seen == [2] and torch.get_num_threads() == 1  # back to the fixture's one thread
+    assert main(["demo", "--model", str(ckpt), *SMALL, "--threads", "1"]) == 0
+    assert seen == [2, 1]
