@@ -193,6 +193,8 @@ def test_a_model_s_tokenizer_prepares_its_data_and_another_is_refused(data, smal
         prepare_recipe_data(recipe, own, tmp_path / "run")
     main([str(tmp_path / "cli"), "--corpus", str(tmp_path / "data" / "corpus"), "--tokenizer", str(tmp_path / "model")])
     assert fingerprint(prepare_data(tmp_path / "cli", vocab_size=VOCAB, corpus=small).tokenizer) == fingerprint(other)
+    with pytest.raises(SystemExit, match="2"):  # a directory without tokenizer.json: an error, no traceback
+        main([str(tmp_path / "none"), "--tokenizer", str(tmp_path / "data")])
 
 
 # -- packing, sharding, bits per byte -------------------------------------------------------------

@@ -351,10 +351,14 @@ def main(argv: list[str] | None = None) -> None:
                              "that model further: megactx train --init MODEL --data-dir DIR)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    corpus = Corpus.from_directory(args.corpus) if args.corpus else None
-    tok = load_tokenizer(args.tokenizer) if args.tokenizer else None
-    data = prepare_data(args.directory, corpus=corpus, vocab_size=tok.get_vocab_size() if tok else args.vocab_size,
-                        tokenizer=tok, tokenizer_source=f"{args.tokenizer}'s")
+    try:
+        corpus = Corpus.from_directory(args.corpus) if args.corpus else None
+        tok = load_tokenizer(args.tokenizer) if args.tokenizer else None
+        data = prepare_data(args.directory, corpus=corpus,
+                            vocab_size=tok.get_vocab_size() if tok else args.vocab_size, tokenizer=tok,
+                            tokenizer_source=f"{args.tokenizer}'s")
+    except (OSError, ValueError) as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
     if args.snapshot and not (data.directory / CORPUS_SNAPSHOT / MANIFEST).is_file():
         data.corpus.save_snapshot(data.directory / CORPUS_SNAPSHOT)
     print(f"corpus: Python {data.corpus.python_version} stdlib, {len(data.corpus.files)} files, "
