@@ -22,9 +22,9 @@ caching, speculative decoding) producing the reference model's greedy tokens. It
 On a CPU the engine runs the kernels' PyTorch twins on --threads threads. By default the needle's
 prefill, whose ops are large, takes every core this process may use, and the rest takes one: a tiny
 model's decoding ops are too small to share, and threads spin against each other. The needle's
-prefill takes most of the time, and it grows with the square of --needle-context: each query's indexer scores every
-earlier key (on an idle 2-core machine: 64K tokens, the default and the shipped model's trained
-length, in ~45 s on both cores, ~75 s on one).
+prefill takes most of the time, and it grows with the square of --needle-context: each query's
+indexer scores every earlier key (on an idle 2-core machine: 64K tokens, the default and the
+shipped model's trained length, in ~45 s on both cores, ~75 s on one).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def add_demo_parser(sub) -> None:
     p.add_argument("--random", action="store_true",
                    help="show a random model of the tiny preset instead (reference forward, IndexShare schedule, "
                         "engine against the reference); the default without the shipped model")
-    p.add_argument("--needle-context", default=DEFAULT_NEEDLE_CONTEXT,
+    p.add_argument("--needle-context", default=None,
                    help=f"prompt + answer tokens of the needle case; several run one case each, e.g. 4k,16k "
                         f"(k = 1024) (default {DEFAULT_NEEDLE_CONTEXT}, or the model's context where shorter)")
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
@@ -107,7 +107,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
     try:
         flops_contexts = parse_context(args.context)
-        needle_contexts = parse_contexts(args.needle_context)
+        needle_contexts = parse_contexts(args.needle_context or DEFAULT_NEEDLE_CONTEXT)
         if min(needle_contexts) < MIN_NEEDLE_CONTEXT:
             raise ValueError(f"--needle-context must be at least {MIN_NEEDLE_CONTEXT} tokens (the question, the "
                              f"needle and the answer take about 60), got {min(needle_contexts)}")
@@ -169,7 +169,7 @@ def checkpoint_demo(path: Path, needle_contexts: list[int], args: argparse.Names
         raise FileNotFoundError(f"--model {path}: no config.json there; pass a checkpoint directory")
     cfg = ModelConfig.from_pretrained(path)
     if max(needle_contexts) > cfg.max_position_embeddings:
-        if args.needle_context != DEFAULT_NEEDLE_CONTEXT:
+        if args.needle_context is not None:
             raise ValueError(f"--needle-context {max(needle_contexts)} exceeds the model's context of "
                              f"{cfg.max_position_embeddings} tokens")
         needle_contexts = [cfg.max_position_embeddings]  # the default, beyond a shorter model: its whole context
