@@ -18,7 +18,9 @@ MTP layer: the ladder is also a training ladder. With --mtp-layers DIR every run
 checkpoint with the MTP layer its training rung produced, DIR/<MTP layer>.safetensors (CE without
 IndexShare/KVShare, CE with them, end-to-end TV loss with them; scripts/train-megactx-tiny.sh
 writes these with megactx.train.recipe.export_mtp_layer), put on the backbone of --model with
-megactx.train.recipe.with_mtp_layer, so all four rungs are measured. Without it the first three
+megactx.train.recipe.with_mtp_layer, so all four rungs are measured (--own-mtp-layer STEM: the
+rungs of that file run on the checkpoint's own MTP layer instead, when it is that variant, as the
+shipped model's TV-loss layer is; its file may then be absent). Without it the first three
 rungs run on the checkpoint's own MTP layer and the TV rung, a training change, is shown as its
 published figure only.
 
@@ -169,11 +171,15 @@ class Settings:
     threads: int | None = None  # torch intra-op threads (None: torch's default; a CPU run uses 1)
     data_dir: str | None = None
     mtp_layers: str | None = None  # directory of MTP-layer files: run MTP_LAYER_RUNGS instead of RUNGS
+    own_mtp_layer: str | None = None  # with mtp_layers: the stem whose rungs run the checkpoint's own MTP layer
     greedy: bool = True  # also time greedy decoding at batch TARGET_SPEEDUP_BATCH (no speculation, top rung)
 
     @property
     def rungs(self) -> tuple[Rung, ...]:
-        return MTP_LAYER_RUNGS if self.mtp_layers else RUNGS
+        if not self.mtp_layers:
+            return RUNGS
+        return tuple(dataclasses.replace(r, mtp_layer=None) if r.mtp_layer == self.own_mtp_layer else r
+                     for r in MTP_LAYER_RUNGS)
 
     @classmethod
     def defaults(cls, device: str, quick: bool) -> Settings:
@@ -196,6 +202,13 @@ class Settings:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
         if not self.temperature > 0:
             raise ValueError(f"--temperature must be > 0 (at 0 every rung accepts greedily), got {self.temperature}")
+        if self.own_mtp_layer is not None:
+            stems = sorted({r.mtp_layer for r in MTP_LAYER_RUNGS})
+            if not self.mtp_layers:
+                raise ValueError("--own-mtp-layer names which --mtp-layers file the checkpoint's own MTP layer "
+                                 "stands for; give --mtp-layers DIR too")
+            if self.own_mtp_layer not in stems:
+                raise ValueError(f"--own-mtp-layer must be one of {', '.join(stems)}; got {self.own_mtp_layer}")
         self.gammas, self.batches = sorted(set(self.gammas)), sorted(set(self.batches))
         self.warmup_len = min(self.warmup_len, self.output_len)
 
@@ -627,7 +640,10 @@ def render_markdown(results: dict[str, Any], targets: list[dict[str, Any]]) -> s
     out.append(md_table(["rung", "published", *[f"ours, γ = {gamma}, batch {b}" for b in s["batches"]],
                          "MTP layer"], rows))
     if s.get("mtp_layers"):
-        out.append(f"\nMTP layers from `{s['mtp_layers']}`, each on the backbone of `{model['path']}`.\n")
+        own = s.get("own_mtp_layer")
+        out.append(f"\nMTP layers from `{s['mtp_layers']}`, each on the backbone of `{model['path']}`"
+                   + (f"; the rungs of `{own}` on the checkpoint's own MTP layer, trained so" if own else "")
+                   + ".\n")
 
     for b in s["batches"]:
         base = _find(results, NO_SPEC, 0, b)
@@ -749,6 +765,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "from scripts/train-megactx-tiny.sh): every rung runs on the MTP layer its training rung "
                         "produced, and the +end-to-end TV loss rung is measured too (default: three rungs on the "
                         "checkpoint's own MTP layer)")
+    p.add_argument("--own-mtp-layer", default=None, metavar="STEM",
+                   help="with --mtp-layers: the rungs of this MTP-layer file (e.g. mtp-tv-share) run on the "
+                        "checkpoint's own MTP layer, which that training rung produced, so DIR need not hold the "
+                        "file (a shipped model whose MTP layer is that variant)")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None,
                    help="cuda or cpu (default: cuda when torch sees a GPU); sizes default by device, see above")
     p.add_argument("--quick", action="store_true", help="γ in {1, 7}, batch 1, fewer tokens")
@@ -777,7 +797,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device cuda, but torch {torch.__version__} sees no CUDA GPU; use --device cpu")
     s = Settings.defaults(device, args.quick)
-    for name in ("gammas", "batches", "prompt_len", "output_len", "reps", "threads", "data_dir", "mtp_layers"):
+    for name in ("gammas", "batches", "prompt_len", "output_len", "reps", "threads", "data_dir", "mtp_layers",
+                 "own_mtp_layer"):
         if getattr(args, name) is not None:
             setattr(s, name, getattr(args, name))
     s.temperature, s.seed, s.greedy = args.temperature, args.seed, args.greedy

@@ -221,6 +221,40 @@ def test_a_missing_mtp_layer_file_is_refused_naming_it(ckpt, mtp_layers, tmp_pat
     assert not out.exists()
 
 
+def test_own_mtp_layer_runs_its_rungs_on_the_checkpoints_mtp_layer(ckpt, mtp_layers, tmp_path, monkeypatch, capsys):
+    """A shipped model whose own MTP layer is the TV-loss variant: --own-mtp-layer mtp-tv-share
+    measures that rung on the checkpoint itself, so the directory needs only the other two files."""
+    partial = tmp_path / "layers"
+    partial.mkdir()
+    for stem in ("mtp-ce-noshare", "mtp-ce-share"):
+        shutil.copy(mtp_layers / f"{stem}.safetensors", partial)
+    engines = []
+    real_llm = megactx.LLM
+
+    def recording_llm(model, **kwargs):
+        engines.append((kwargs.get("num_speculative_tokens", 0), _mtp_weights(model)))
+        return real_llm(model, **kwargs)
+
+    monkeypatch.setattr(megactx, "LLM", recording_llm)
+    out = tmp_path / "out"
+    assert main(_args(ckpt, out, "--mtp-layers", str(partial), "--own-mtp-layer", "mtp-tv-share", "--no-greedy",
+                      gammas=(2,), batches=(1,))) == 0
+    results = json.loads((out / "spec-cpu.json").read_text())
+    assert [r["mtp_file"] for r in results["rungs"]] == [
+        str(partial / "mtp-ce-noshare.safetensors"), str(partial / "mtp-ce-share.safetensors"),
+        str(partial / "mtp-ce-share.safetensors"), None]
+    own = _mtp_weights(load_model(ckpt))
+    tv = engines[-1]  # the TV rung's engine: the checkpoint's own MTP layer
+    assert tv[0] == 2 and _same(tv[1], own) and not _same(engines[1][1], own)
+    md = (out / "spec-cpu.md").read_text()
+    assert "the rungs of `mtp-tv-share` on the checkpoint's own MTP layer" in md
+    # a stem that no rung has, or the flag without --mtp-layers: exit 2, naming the flag
+    assert main(_args(ckpt, tmp_path / "bad", "--mtp-layers", str(partial), "--own-mtp-layer", "mtp-tv")) == 2
+    assert "--own-mtp-layer must be one of" in capsys.readouterr().err
+    assert main(_args(ckpt, tmp_path / "bad", "--own-mtp-layer", "mtp-tv-share")) == 2
+    assert "give --mtp-layers DIR too" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------ draft statistics
 def test_summed_request_stats_equal_one_stats_that_recorded_every_verify():
     gamma = 4
