@@ -203,10 +203,10 @@ class Settings:
         if not self.temperature > 0:
             raise ValueError(f"--temperature must be > 0 (at 0 every rung accepts greedily), got {self.temperature}")
         if self.own_mtp_layer is not None:
-            stems = sorted({r.mtp_layer for r in MTP_LAYER_RUNGS})
             if not self.mtp_layers:
                 raise ValueError("--own-mtp-layer names which --mtp-layers file the checkpoint's own MTP layer "
                                  "stands for; give --mtp-layers DIR too")
+            stems = sorted({r.mtp_layer for r in MTP_LAYER_RUNGS})
             if self.own_mtp_layer not in stems:
                 raise ValueError(f"--own-mtp-layer must be one of {', '.join(stems)}; got {self.own_mtp_layer}")
         self.gammas, self.batches = sorted(set(self.gammas)), sorted(set(self.batches))
