@@ -475,6 +475,53 @@ def test_mtp_stage_trains_only_the_mtp_layer_with_its_indexer():
     assert any(".indexer." in n for n in grads)
 
 
+@pytest.mark.parametrize("mtp_loss", ["ce", "tv", "ce+tv"])
+def test_mtp_terms_in_anchor_chunks_equal_the_formulas_on_the_stacked_logits(mtp_loss):
+    """The MTP stage's heads run over anchor-row chunks (never the [B·A, γ, V] logits): its terms,
+    acceptance metric and gradients equal mtp_cross_entropy / tv_loss on the stacked logits."""
+    model, objective = stage_setup("mtp")
+    B, S, V = 2, 41, model.cfg.vocab_size
+    rows = 5
+    cfg = dataclass_replace(objective.cfg, indexers="none", mtp_loss=mtp_loss, chunk_bytes=rows * B * V * 24 + 7)
+    objective = Objective(model, cfg)
+    gamma, anchors = cfg.mtp_steps, S - cfg.mtp_steps - 1
+    assert anchors % rows and anchors > 2 * rows  # several chunks, the last one short
+    ids = token_ids(B, S, seed=3)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    loss, metrics = objective(ids)
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+
+    with objective.attention.installed(model):
+        with torch.no_grad():
+            hidden = model.hidden_states(ids)
+            target = model.compute_logits(hidden)
+        outs = mtp_hidden(model, ids, hidden, gamma, cfg.mtp_share)
+        objective.attention.finish()
+    norm = model.mtp[0].shared_head.norm
+    drafts = torch.stack([model.compute_logits(norm(g[:, :anchors])) for g in outs], dim=2).flatten(0, 1)
+    targets = torch.stack([target[:, j : j + anchors] for j in range(1, gamma + 1)], dim=2).flatten(0, 1)
+    labels = torch.stack([ids[:, j + 1 : j + 1 + anchors] for j in range(1, gamma + 1)], dim=2).flatten(0, 1)
+    ref_terms = {}
+    if "ce" in mtp_loss:
+        ref_terms["mtp_ce"] = mtp_cross_entropy(drafts, labels)
+    if "tv" in mtp_loss:
+        ref_terms["mtp_tv"] = tv_loss(targets, drafts)
+    ref_grads = torch.autograd.grad(sum(ref_terms.values()), params, allow_unused=True)
+
+    assert set(ref_terms) <= set(metrics)
+    for name, value in ref_terms.items():
+        assert metrics[name].item() == pytest.approx(value.item(), rel=1e-5)
+    alpha = 1 - 0.5 * (targets.softmax(-1) - drafts.detach().softmax(-1)).abs().sum(-1)
+    assert metrics["mtp_accept"].item() == pytest.approx(expected_accept_length(alpha).mean().item(), rel=1e-5)
+    assert any(g is not None and g.abs().sum() > 0 for g in grads)
+    for g, ref in zip(grads, ref_grads, strict=True):
+        if ref is None:
+            assert g is None or not g.any()
+        else:
+            torch.testing.assert_close(g, ref, rtol=1e-4, atol=1e-6)
+
+
 def test_indexshare_conversion_keeps_the_full_layers_indexers_and_drops_the_others():
     recipe = smoke_recipe()
     every = build_model(stage_model_config(recipe, stage_index("dense")), seed=0)

@@ -26,7 +26,7 @@ tokens (fp32 sizes; bf16 halves the activations):
   layer + S·K fp32 attention sum per trained indexer group (S·S in a dense warm-up);
 - transient, one chunk at a time: at most `chunk_bytes` (the gathered [rows, K, r + dr] latents,
   or the [rows, HI, S] indexer scores of the selection, whichever is larger per row);
-- the LM head is chunked the same way, so the [S, vocab] logits are never kept.
+- the LM head and the MTP heads are chunked the same way, so [S, vocab] logits are never kept.
 For the tiny model (D = 256, I = 512, 8 layers, K = 2048) that is about 0.2 MB a token: 64K
 tokens ≈ 13 GB, 512K ≈ 100 GB of a 139 GB H200.
 """
@@ -649,23 +649,48 @@ class Objective(nn.Module):
 
     def _mtp_terms(self, input_ids: torch.Tensor, hidden: torch.Tensor,
                    metrics: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The MTP losses over every anchor, the heads chunked as in token_losses: for each step j,
+        anchor-row chunks of the drafter's and the target's logits ([B, rows, V] each) give the
+        step's acceptance α and cross-entropy per anchor, recomputed in the backward; only those
+        [B, A] values per step are kept, never the [B·A, γ, V] logits (tens of GB at 32K tokens a
+        step). The terms then equal mtp_cross_entropy and tv_loss on the stacked logits."""
         cfg, model = self.cfg, self.model
-        gamma, S = cfg.mtp_steps, input_ids.shape[1]
+        gamma, (B, S) = cfg.mtp_steps, input_ids.shape
         anchors = S - gamma - 1  # every step of anchor i has its input x_{i+j} and label x_{i+j+1}
         if anchors < 1:
             raise ValueError(f"sequences of {S} tokens are too short for {gamma} MTP steps (need >= {gamma + 2})")
         outs = mtp_hidden(model, input_ids, hidden, gamma, cfg.mtp_share)
         norm = model.mtp[0].shared_head.norm
-        draft = torch.stack([model.compute_logits(norm(g[:, :anchors])) for g in outs], dim=2)  # [B, A, γ, V]
-        draft = draft.flatten(0, 1)
-        with torch.no_grad():
-            target = model.compute_logits(hidden)  # [B, S, V]: p of token x_{i+j+1} sits at row i + j
-            target = torch.stack([target[:, j : j + anchors] for j in range(1, gamma + 1)], dim=2).flatten(0, 1)
-            metrics["mtp_accept"] = expected_accept_length(tv_acceptance(target, draft)).mean()
+        losses = cfg.mtp_loss.split("+")
+        # a row's transient: draft and target logits and their fp32 softmaxes, |p - q|, the CE's log-softmax
+        rows = _rows_per_chunk(anchors, B * model.cfg.vocab_size * 4 * 6, cfg.chunk_bytes)
+
+        def chunk(g: torch.Tensor, h: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            # g: [B, r, D] step j's drafts, h: [B, r, D] the target's hidden at rows i + j, y: [B, r] labels
+            draft = model.compute_logits(norm(g))  # [B, r, V]
+            with torch.no_grad():
+                target = model.compute_logits(h)  # p of token x_{i+j+1} sits at row i + j
+            with torch.set_grad_enabled(torch.is_grad_enabled() and "tv" in losses):
+                alpha = tv_acceptance(target, draft)  # [B, r]
+            ce = (F.cross_entropy(draft.flatten(0, 1).float(), y.flatten(), reduction="none").view(y.shape)
+                  if "ce" in losses else torch.zeros_like(alpha))
+            return alpha, ce
+
+        grad = torch.is_grad_enabled()
+        alpha, ce = [], []  # per step: [B, A]
+        for j, g in enumerate(outs, start=1):
+            parts = []
+            for a0 in range(0, anchors, rows):
+                a1 = min(a0 + rows, anchors)
+                args = g[:, a0:a1], hidden[:, a0 + j : a1 + j], input_ids[:, a0 + j + 1 : a1 + j + 1]
+                parts.append(checkpoint(chunk, *args, use_reentrant=False) if grad else chunk(*args))
+            alpha.append(torch.cat([a for a, _ in parts], dim=1))
+            ce.append(torch.cat([c for _, c in parts], dim=1))
+        alpha_t = torch.stack(alpha, dim=-1)  # [B, A, γ]
+        metrics["mtp_accept"] = expected_accept_length(alpha_t.detach()).mean()
         terms = {}
-        if "ce" in cfg.mtp_loss.split("+"):
-            labels = torch.stack([input_ids[:, j + 1 : j + 1 + anchors] for j in range(1, gamma + 1)], dim=2)
-            terms["mtp_ce"] = mtp_cross_entropy(draft, labels.flatten(0, 1))
-        if "tv" in cfg.mtp_loss.split("+"):
-            terms["mtp_tv"] = tv_loss(target, draft)
+        if "ce" in losses:
+            terms["mtp_ce"] = torch.stack(ce, dim=-1).mean()
+        if "tv" in losses:
+            terms["mtp_tv"] = 1.0 - alpha_t.cumprod(-1).mean(-1).mean()
         return terms
