@@ -289,6 +289,13 @@ def test_eval_needles_refuses_contexts_beyond_the_model(checkpoint, capsys):
     assert "--contexts" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("fraction", ["0", "1.5"])
+def test_eval_needles_refuses_a_memory_fraction_outside_0_1(checkpoint, capsys, fraction):
+    assert main(["eval", "needles", "--model", str(checkpoint), "--contexts", "256", "--cases", "1",
+                 "--gpu-memory-utilization", fraction]) == 2
+    assert "gpu_memory_utilization" in capsys.readouterr().err
+
+
 def test_needle_recall_reads_the_full_layers_selection_at_the_answer_positions(data, small, tmp_path, capsys):
     """The teacher-forced verdict is the reference forward's argmax at the answer positions, and each
     flag says whether the reference forward's top-k of that full layer, at that position, holds a

@@ -177,6 +177,9 @@ class LLM:
             raise ValueError(f"mtp_mode must be one of {', '.join(MTP_MODES)}, got {mtp_mode!r}")
         if draft_acceptance not in DRAFT_ACCEPTANCE:
             raise ValueError(f"draft_acceptance must be one of {', '.join(DRAFT_ACCEPTANCE)}, got {draft_acceptance!r}")
+        if not 0.0 < gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization is the fraction of the GPU's memory the engine may use, in "
+                             f"(0, 1]; got {gpu_memory_utilization}")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         on_cuda = torch.device(device).type == "cuda"
         dtype = dtype or (torch.bfloat16 if on_cuda else torch.float32)

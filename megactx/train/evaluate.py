@@ -591,6 +591,9 @@ def add_eval_parser(subparsers: Any) -> None:
     n.add_argument("--trained-length", type=int, default=None,
                    help="the model's trained context: the report says whether every context up to it passes")
     n.add_argument("--max-num-batched-tokens", type=int, default=8192, help="engine prefill chunk budget")
+    n.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of the GPU's memory the engine may use, its KV cache taking what weights and "
+                        "activations leave; lower it to evaluate beside a training run (default %(default)s)")
     n.add_argument("--kv-cache-dtype", choices=("auto", "bf16", "fp8"), default="auto",
                    help="MLA cache: auto (= the model's dtype), bf16 or fp8 (default auto)")
     n.add_argument("--index-cache-dtype", choices=("auto", "fp8"), default=None,
@@ -690,7 +693,8 @@ def run_needles(args: argparse.Namespace) -> int:
         generator = needle_generator(args.model, "held_out", corpus)
         llm = LLM(args.model, device=args.device, max_model_len=max(contexts), max_num_seqs=args.batch_size,
                   max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype,
-                  index_cache_dtype=args.index_cache_dtype, hf_overrides=args.hf_overrides)
+                  index_cache_dtype=args.index_cache_dtype, hf_overrides=args.hf_overrides,
+                  gpu_memory_utilization=args.gpu_memory_utilization)
         report = evaluate_needles(EngineAnswerer(llm), generator, tasks, contexts, args.cases, args.seed,
                                   str(args.model), args.batch_size, args.depth_buckets, args.threshold,
                                   args.trained_length, log=tqdm.write, engine=engine_description(llm), shard=shard,
