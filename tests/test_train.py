@@ -41,6 +41,7 @@ from megactx.train.recipe import (
     Stage,
     adapt_model,
     loss_config,
+    retrieval_warning,
     set_trainable,
     smoke_recipe,
     stage_model,
@@ -888,6 +889,18 @@ def test_smoke_recipe_runs_every_stage_and_its_checkpoints_load(tmp_path, capsys
         trained = {n for n, t in ablation.state_dict().items() if not torch.equal(t, every.state_dict()[n])}
         assert any(".indexer." in n for n in trained) == (variant == "dsa")
         assert any(".indexer." not in n for n in trained)
+
+
+def test_a_stage_that_has_not_learnt_the_needles_is_named_with_what_to_do():
+    """Over the last 10% of steps (NaN: a step without needle rows): a needle loss near chance
+    warns, naming the stage's --stage-steps; a learnt one, or a stage without needles, does not."""
+    nan = float("nan")
+    unlearnt = [{"needle": 2.0}] * 90 + [{"needle": 1.6}, {"needle": nan}] * 5
+    warning = retrieval_warning("sparse-dsa", "sparse", unlearnt)
+    assert warning and "1.60" in warning and "--stage-steps sparse=N" in warning
+    assert retrieval_warning("dense", "dense", [{"needle": 2.0}] * 90 + [{"needle": 0.03}] * 10) is None
+    assert retrieval_warning("mtp-tv-share", "mtp", [{"mtp_tv": 0.9}] * 20) is None
+    assert retrieval_warning("dense", "dense", []) is None
 
 
 def test_an_mtp_layer_moves_to_another_model_of_the_same_backbone(tmp_path):

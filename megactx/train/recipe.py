@@ -487,6 +487,25 @@ def stage_progress(stage_dir: Path) -> int:
     return torch.load(state, map_location="cpu", weights_only=False)["step"] if state.exists() else 0
 
 
+UNLEARNT_NEEDLE_LOSS = 1.0  # nats/token over a stage's last 10%: chance ≈ ln 10 a digit, a model that retrieves < 0.5
+
+
+def retrieval_warning(name: str, kind: str, history: list[dict]) -> str | None:
+    """A warning when a finished stage's needle answers, over its last 10% of steps, still cost
+    more than UNLEARNT_NEEDLE_LOSS: retrieval is a late jump in the dense stage (it came at steps
+    ~1650-2500 in the runs of `tiny_recipe`'s docstring, and in one 16-layer run of 2000 steps not
+    at all), and the stages after such a model do not learn it either. None when it is learnt or
+    the stage has no needle rows."""
+    losses = [row["needle"] for row in history[-max(1, len(history) // 10):]
+              if isinstance(row.get("needle"), float) and row["needle"] == row["needle"]]  # NaN: no needle rows
+    if not losses or (mean := sum(losses) / len(losses)) <= UNLEARNT_NEEDLE_LOSS:
+        return None
+    return (f"{name}: warning: the needle answers still cost {mean:.2f} nats/token over the last 10% of steps "
+            f"(chance about 2.3; a model that retrieves is below 0.5): it has not learnt retrieval, and the "
+            f"stages after it will not find needles. Train this stage again in a new --out with more steps "
+            f"(--stage-steps {kind}=N) or another --seed")
+
+
 def weights_digest(model_dir: str | Path) -> str:
     """sha256 over a model directory's *.safetensors files, in name order."""
     digest = hashlib.sha256()
@@ -622,6 +641,8 @@ def run_recipe(recipe: Recipe, out_dir: str | Path, stages: list[str] | None = N
         results.append(result)
         loss = f", loss {result.history[-1]['loss']:.4f}" if result.history else ""
         log(f"{name}: {result.step}/{steps} steps{loss}, checkpoint {result.checkpoint}")
+        if result.finished and (warning := retrieval_warning(name, recipe.stages[index].kind, result.history)):
+            log(warning)
         if not result.finished:
             break
     return results
