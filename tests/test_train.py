@@ -482,10 +482,11 @@ def test_mtp_terms_in_anchor_chunks_equal_the_formulas_on_the_stacked_logits(mtp
     acceptance metric and gradients equal mtp_cross_entropy / tv_loss on the stacked logits."""
     model, objective = stage_setup("mtp")
     B, S, V = 2, 41, model.cfg.vocab_size
-    rows = 5
-    cfg = dataclass_replace(objective.cfg, indexers="none", mtp_loss=mtp_loss, chunk_bytes=rows * B * V * 24 + 7)
+    rows, gamma = 5, objective.cfg.mtp_steps
+    cfg = dataclass_replace(objective.cfg, indexers="none", mtp_loss=mtp_loss,
+                            chunk_bytes=rows * B * gamma * V * 24 + 7)  # 5 anchors a chunk
     objective = Objective(model, cfg)
-    gamma, anchors = cfg.mtp_steps, S - cfg.mtp_steps - 1
+    anchors = S - gamma - 1
     assert anchors % rows and anchors > 2 * rows  # several chunks, the last one short
     ids = token_ids(B, S, seed=3)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -649,11 +649,11 @@ class Objective(nn.Module):
 
     def _mtp_terms(self, input_ids: torch.Tensor, hidden: torch.Tensor,
                    metrics: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The MTP losses over every anchor, the heads chunked as in token_losses: for each step j,
-        anchor-row chunks of the drafter's and the target's logits ([B, rows, V] each) give the
-        step's acceptance α and cross-entropy per anchor, recomputed in the backward; only those
-        [B, A] values per step are kept, never the [B·A, γ, V] logits (tens of GB at 32K tokens a
-        step). The terms then equal mtp_cross_entropy and tv_loss on the stacked logits."""
+        """The MTP losses over every anchor, the heads chunked as in token_losses: chunks of anchor
+        rows, each recomputed in the backward, give the drafter's logits of their γ steps and the
+        target's over the rows those steps predict, and keep only α and the cross-entropy per anchor
+        and step ([B, A, γ]), never the [B·A, γ, V] logits (tens of GB at 32K tokens a step). The
+        terms equal mtp_cross_entropy and tv_loss on the stacked logits."""
         cfg, model = self.cfg, self.model
         gamma, (B, S) = cfg.mtp_steps, input_ids.shape
         anchors = S - gamma - 1  # every step of anchor i has its input x_{i+j} and label x_{i+j+1}
@@ -662,35 +662,38 @@ class Objective(nn.Module):
         outs = mtp_hidden(model, input_ids, hidden, gamma, cfg.mtp_share)
         norm = model.mtp[0].shared_head.norm
         losses = cfg.mtp_loss.split("+")
-        # a row's transient: draft and target logits and their fp32 softmaxes, |p - q|, the CE's log-softmax
-        rows = _rows_per_chunk(anchors, B * model.cfg.vocab_size * 4 * 6, cfg.chunk_bytes)
+        # an anchor's transient: γ rows of draft logits, their softmax, |p - q| and the CE's log-softmax,
+        # the target's softmax at the same rows
+        rows = _rows_per_chunk(anchors, B * gamma * model.cfg.vocab_size * 4 * 6, cfg.chunk_bytes)
 
-        def chunk(g: torch.Tensor, h: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            # g: [B, r, D] step j's drafts, h: [B, r, D] the target's hidden at rows i + j, y: [B, r] labels
-            draft = model.compute_logits(norm(g))  # [B, r, V]
+        def chunk(h: torch.Tensor, y: torch.Tensor, *g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            # g: γ × [B, r, D] the drafts of anchors i = a0..a1-1; h: [B, r + γ - 1, D] the target's hidden
+            # at rows a0 + 1 ..: the p of token x_{i+j+1} sits at row i + j; y: [B, r + γ - 1] those tokens
+            r = g[0].shape[1]
+            draft = model.compute_logits(norm(torch.stack(g, dim=2)))  # [B, r, γ, V]
             with torch.no_grad():
-                target = model.compute_logits(h)  # p of token x_{i+j+1} sits at row i + j
+                target = model.compute_logits(h)  # [B, r + γ - 1, V]
+                target = torch.stack([target[:, j : j + r] for j in range(gamma)], dim=2)  # [B, r, γ, V]
             with torch.set_grad_enabled(torch.is_grad_enabled() and "tv" in losses):
-                alpha = tv_acceptance(target, draft)  # [B, r]
-            ce = (F.cross_entropy(draft.flatten(0, 1).float(), y.flatten(), reduction="none").view(y.shape)
-                  if "ce" in losses else torch.zeros_like(alpha))
-            return alpha, ce
+                alpha = tv_acceptance(target, draft)  # [B, r, γ]
+            if "ce" not in losses:
+                return alpha, torch.zeros_like(alpha)
+            labels = torch.stack([y[:, j : j + r] for j in range(gamma)], dim=2)  # [B, r, γ]
+            ce = F.cross_entropy(draft.flatten(0, 2).float(), labels.flatten(), reduction="none")
+            return alpha, ce.view(labels.shape)
 
         grad = torch.is_grad_enabled()
-        alpha, ce = [], []  # per step: [B, A]
-        for j, g in enumerate(outs, start=1):
-            parts = []
-            for a0 in range(0, anchors, rows):
-                a1 = min(a0 + rows, anchors)
-                args = g[:, a0:a1], hidden[:, a0 + j : a1 + j], input_ids[:, a0 + j + 1 : a1 + j + 1]
-                parts.append(checkpoint(chunk, *args, use_reentrant=False) if grad else chunk(*args))
-            alpha.append(torch.cat([a for a, _ in parts], dim=1))
-            ce.append(torch.cat([c for _, c in parts], dim=1))
-        alpha_t = torch.stack(alpha, dim=-1)  # [B, A, γ]
+        parts = []
+        for a0 in range(0, anchors, rows):
+            a1 = min(a0 + rows, anchors)
+            args = (hidden[:, a0 + 1 : a1 + gamma], input_ids[:, a0 + 2 : a1 + gamma + 1],
+                    *(g[:, a0:a1] for g in outs))
+            parts.append(checkpoint(chunk, *args, use_reentrant=False) if grad else chunk(*args))
+        alpha_t = torch.cat([a for a, _ in parts], dim=1)  # [B, A, γ]
         metrics["mtp_accept"] = expected_accept_length(alpha_t.detach()).mean()
         terms = {}
         if "ce" in losses:
-            terms["mtp_ce"] = torch.stack(ce, dim=-1).mean()
+            terms["mtp_ce"] = torch.cat([c for _, c in parts], dim=1).mean()
         if "tv" in losses:
             terms["mtp_tv"] = 1.0 - alpha_t.cumprod(-1).mean(-1).mean()
         return terms
