@@ -502,8 +502,8 @@ def retrieval_warning(name: str, kind: str, history: list[dict]) -> str | None:
         return None
     return (f"{name}: warning: the needle answers still cost {mean:.2f} nats/token over the last 10% of steps "
             f"(chance about 2.3; a model that retrieves is below 0.5): it has not learnt retrieval, and the "
-            f"stages after it will not find needles. Train this stage again in a new --out with more steps "
-            f"(--stage-steps {kind}=N) or another --seed")
+            f"stages after it will not find needles. Train again from the first stage that warns, in a new --out, "
+            f"with more steps (--stage-steps {kind}=N for this one) or another --seed")
 
 
 def weights_digest(model_dir: str | Path) -> str:
