@@ -197,6 +197,25 @@ def test_a_model_s_tokenizer_prepares_its_data_and_another_is_refused(data, smal
         main([str(tmp_path / "none"), "--tokenizer", str(tmp_path / "data")])
 
 
+def test_processes_preparing_one_directory_at_once_all_get_it(data, small, tmp_path):
+    """Stages started side by side from --init on a fresh machine prepare the same data directory at
+    once: each process succeeds with the same tokenizer, and no partial file is left."""
+    import subprocess
+    import sys
+
+    small.save_snapshot(tmp_path / "data" / "corpus")
+    data.save_tokenizer(tmp_path / "model")
+    code = ("import sys; from megactx.train.data import prepare_data; from megactx.train.tokenizer import "
+            "fingerprint, load_tokenizer; tok = load_tokenizer(sys.argv[2]); "
+            "print(fingerprint(prepare_data(sys.argv[1], vocab_size=tok.get_vocab_size(), tokenizer=tok).tokenizer))")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "data"), str(tmp_path / "model")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    results = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [err[-400:] for _, err in results]
+    assert {out.strip() for out, _ in results} == {fingerprint(data.tokenizer)}
+    assert not list((tmp_path / "data").glob("*partial*"))
+
+
 # -- packing, sharding, bits per byte -------------------------------------------------------------
 
 def test_packed_rows_overlap_by_one_so_every_token_is_a_target_once():

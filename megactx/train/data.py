@@ -24,10 +24,14 @@ a random number generator's implementation, so every machine and library version
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import math
+import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,7 +135,7 @@ class TokenizedCorpus:
             return cls.load(path)
         built = cls.build(corpus, tok)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.stem + ".partial.npz")  # another process never reads half a file
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.partial.npz")  # no process reads half a file
         built.save(tmp)
         tmp.replace(path)
         return built
@@ -280,6 +284,18 @@ class TrainingData:
         return save_tokenizer(self.tokenizer, directory)
 
 
+@contextmanager
+def directory_lock(directory: str | Path) -> Iterator[Path]:
+    """Hold an exclusive lock on `directory` (created if needed; the lock is its file .lock) for the
+    block: processes that prepare one directory at once, e.g. MTP stages started side by side with
+    --init on a fresh machine, take turns, and the later ones find it ready."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / ".lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+        yield directory
+
+
 def prepare_data(directory: str | Path, corpus: Corpus | None = None,
                  vocab_size: int = DEFAULT_VOCAB_SIZE, tokenizer: Tokenizer | None = None,
                  tokenizer_source: str = "the tokenizer given") -> TrainingData:
@@ -293,35 +309,37 @@ def prepare_data(directory: str | Path, corpus: Corpus | None = None,
     than `tokenizer`, is refused rather than silently retrained: models trained on it depend on its
     tokenizer."""
     directory = Path(directory)
-    if corpus is None:
-        snapshot = directory / CORPUS_SNAPSHOT
-        corpus = Corpus.from_directory(snapshot) if (snapshot / MANIFEST).is_file() else Corpus.from_stdlib()
-    manifest = directory / MANIFEST
-    if manifest.is_file():
-        try:
-            corpus.verify(manifest)
-        except ValueError as e:
-            raise ValueError(f"{directory} was prepared from another corpus: {e}; or prepare a new directory") from None
-    else:
-        directory.mkdir(parents=True, exist_ok=True)
-        manifest.write_text(json.dumps(corpus.manifest(), indent=1))
-    tok_dir = directory / TOKENIZER_DIR
-    if (tok_dir / "tokenizer.json").is_file():
-        tok = load_tokenizer(tok_dir)
-        if tokenizer is not None and fingerprint(tok) != fingerprint(tokenizer):
-            raise ValueError(f"{tok_dir} holds another tokenizer than {tokenizer_source} (trained on another corpus "
-                             "or by another version): its token ids would mean other tokens. Prepare a new data "
-                             "directory with that tokenizer (python -m megactx.train.data NEW_DIR --tokenizer MODEL)")
-        if tok.get_vocab_size() != vocab_size:
-            raise ValueError(f"{tok_dir} holds a tokenizer of {tok.get_vocab_size()} tokens, not vocab_size="
-                             f"{vocab_size}; pass vocab_size={tok.get_vocab_size()} or prepare a new directory")
-    elif tokenizer is not None:
-        tok = tokenizer
-        save_tokenizer(tok, tok_dir)
-    else:
-        tok = train_tokenizer((f.text for f in corpus.split("train")), vocab_size)
-        save_tokenizer(tok, tok_dir)
-    return TrainingData(directory, corpus, tok, TokenizedCorpus.load_or_build(corpus, tok, directory))
+    with directory_lock(directory):  # another process may be preparing it now
+        if corpus is None:
+            snapshot = directory / CORPUS_SNAPSHOT
+            corpus = Corpus.from_directory(snapshot) if (snapshot / MANIFEST).is_file() else Corpus.from_stdlib()
+        manifest = directory / MANIFEST
+        if manifest.is_file():
+            try:
+                corpus.verify(manifest)
+            except ValueError as e:
+                raise ValueError(f"{directory} was prepared from another corpus: {e}; or prepare a new "
+                                 "directory") from None
+        else:
+            manifest.write_text(json.dumps(corpus.manifest(), indent=1))
+        tok_dir = directory / TOKENIZER_DIR
+        if (tok_dir / "tokenizer.json").is_file():
+            tok = load_tokenizer(tok_dir)
+            if tokenizer is not None and fingerprint(tok) != fingerprint(tokenizer):
+                raise ValueError(f"{tok_dir} holds another tokenizer than {tokenizer_source} (trained on another "
+                                 "corpus or by another version): its token ids would mean other tokens. Prepare a new "
+                                 "data directory with that tokenizer (python -m megactx.train.data NEW_DIR --tokenizer "
+                                 "MODEL)")
+            if tok.get_vocab_size() != vocab_size:
+                raise ValueError(f"{tok_dir} holds a tokenizer of {tok.get_vocab_size()} tokens, not vocab_size="
+                                 f"{vocab_size}; pass vocab_size={tok.get_vocab_size()} or prepare a new directory")
+        elif tokenizer is not None:
+            tok = tokenizer
+            save_tokenizer(tok, tok_dir)
+        else:
+            tok = train_tokenizer((f.text for f in corpus.split("train")), vocab_size)
+            save_tokenizer(tok, tok_dir)
+        return TrainingData(directory, corpus, tok, TokenizedCorpus.load_or_build(corpus, tok, directory))
 
 
 def needle_generator(tokenizer: Tokenizer | str | Path, split: str = "held_out", corpus: Corpus | None = None,

@@ -450,19 +450,20 @@ def prepare_recipe_data(recipe: Recipe, data_dir: str | Path | None, out_dir: Pa
     -> (recipe, TrainingData or None, tokenizer files)."""
     if recipe.data == "synthetic":
         return recipe, None, []
-    from megactx.train.data import prepare_data
+    from megactx.train.data import directory_lock, prepare_data
     from megactx.train.tokenizer import fingerprint, load_tokenizer
 
     init_tok = load_tokenizer(init) if init is not None and (init / "tokenizer.json").is_file() else None
     data = prepare_data(Path(data_dir) if data_dir else out_dir / "data", vocab_size=recipe.model.vocab_size,
                         tokenizer=init_tok, tokenizer_source=f"--init {init}'s")
     tok_dir = out_dir / "tokenizer"
-    if not (tok_dir / "tokenizer.json").exists():
-        data.save_tokenizer(tok_dir)
-    elif fingerprint(load_tokenizer(tok_dir)) != fingerprint(data.tokenizer):
-        raise ValueError(f"{tok_dir} (the run's tokenizer, which its checkpoints carry) differs from "
-                         f"{data.tokenizer_dir}: this run was trained with another tokenizer; use its data "
-                         "directory or a new --out")
+    with directory_lock(out_dir):  # stages started side by side in one run write it once
+        if not (tok_dir / "tokenizer.json").exists():
+            data.save_tokenizer(tok_dir)
+        elif fingerprint(load_tokenizer(tok_dir)) != fingerprint(data.tokenizer):
+            raise ValueError(f"{tok_dir} (the run's tokenizer, which its checkpoints carry) differs from "
+                             f"{data.tokenizer_dir}: this run was trained with another tokenizer; use its data "
+                             "directory or a new --out")
     files = [tok_dir / f for f in TOKENIZER_FILES if (tok_dir / f).exists()]
     model = recipe.model.replace(vocab_size=data.tokenizer.get_vocab_size(), eos_token_id=[data.end_id],
                                  pad_token_id=data.end_id, bos_token_id=None)
