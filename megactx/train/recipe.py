@@ -46,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import random
 import shutil
 import time
@@ -498,7 +499,7 @@ def retrieval_warning(name: str, kind: str, history: list[dict]) -> str | None:
     at all), and the stages after such a model do not learn it either. None when it is learnt or
     the stage has no needle rows."""
     losses = [row["needle"] for row in history[-max(1, len(history) // 10):]
-              if isinstance(row.get("needle"), float) and row["needle"] == row["needle"]]  # NaN: no needle rows
+              if isinstance(row.get("needle"), float) and not math.isnan(row["needle"])]  # NaN: no needle rows
     if not losses or (mean := sum(losses) / len(losses)) <= UNLEARNT_NEEDLE_LOSS:
         return None
     return (f"{name}: warning: the needle answers still cost {mean:.2f} nats/token over the last 10% of steps "
