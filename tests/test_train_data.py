@@ -216,6 +216,25 @@ def test_processes_preparing_one_directory_at_once_all_get_it(data, small, tmp_p
     assert not list((tmp_path / "data").glob("*partial*"))
 
 
+def test_a_prepared_directory_that_cannot_be_written_still_loads(data, small, monkeypatch):
+    """The lock is a file in the directory: where it cannot be made (a shared, read-only data
+    directory), the prepared directory is read without one."""
+    import builtins
+
+    import megactx.train.data as data_module
+
+    real_open = builtins.open
+
+    def read_only(path, mode="r", *args, **kwargs):
+        if "r" not in mode:
+            raise PermissionError(13, "Read-only file system", str(path))
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(data_module, "open", read_only, raising=False)
+    again = prepare_data(data.directory, corpus=small, vocab_size=VOCAB)
+    assert fingerprint(again.tokenizer) == fingerprint(data.tokenizer)
+
+
 # -- packing, sharding, bits per byte -------------------------------------------------------------
 
 def test_packed_rows_overlap_by_one_so_every_token_is_a_target_once():

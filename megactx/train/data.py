@@ -288,10 +288,16 @@ class TrainingData:
 def directory_lock(directory: str | Path) -> Iterator[Path]:
     """Hold an exclusive lock on `directory` (created if needed; the lock is its file .lock) for the
     block: processes that prepare one directory at once, e.g. MTP stages started side by side with
-    --init on a fresh machine, take turns, and the later ones find it ready."""
+    --init on a fresh machine, take turns, and the later ones find it ready. A directory this process
+    cannot write (a shared, prepared one) is used without a lock."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / ".lock", "a") as f:
+    try:
+        f = open(directory / ".lock", "a")
+    except OSError:  # a read-only directory: read, never prepared, so no process writes there either
+        yield directory
+        return
+    with f:
         fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
         yield directory
 
