@@ -293,12 +293,14 @@ def directory_lock(directory: str | Path) -> Iterator[Path]:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     try:
-        f = open(directory / ".lock", "a")
+        lock = open(directory / ".lock", "a")
     except OSError:  # a read-only directory: read, never prepared, so no process writes there either
+        lock = None
+    if lock is None:
         yield directory
         return
-    with f:
-        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         yield directory
 
 
