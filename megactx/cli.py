@@ -36,6 +36,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_gpu_memory_argument(parser: argparse.ArgumentParser, purpose: str = "") -> None:
+    """--gpu-memory-utilization (vLLM's flag), defaulting to LLM's; `purpose` ends its help."""
+    import inspect
+
+    from megactx.engine.llm import LLM
+
+    default = inspect.signature(LLM.__init__).parameters["gpu_memory_utilization"].default
+    parser.add_argument("--gpu-memory-utilization", type=float, default=default,
+                        help="fraction of the GPU's memory the engine may use; what weights and activations leave "
+                             f"goes to the KV cache{purpose} (default %(default)s)")
+
+
 def add_hf_overrides_argument(parser: argparse.ArgumentParser, help: str | None = None) -> None:
     """--hf-overrides JSON (vLLM's flag): config fields changed before the model is built."""
     parser.add_argument("--hf-overrides", type=_hf_overrides, default=None, metavar="JSON",

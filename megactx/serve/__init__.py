@@ -69,7 +69,7 @@ def settle_heap(gc_threshold: int = 0) -> None:
 def add_serve_parser(subparsers) -> None:
     """Register `serve` on an argparse subparsers object. Flags mirror LLM's constructor; their
     defaults are LLM's own."""
-    from megactx.cli import add_hf_overrides_argument
+    from megactx.cli import add_gpu_memory_argument, add_hf_overrides_argument
     from megactx.engine.llm import LLM
     from megactx.engine.spec_decode import DRAFT_ACCEPTANCE, MTP_MODES
     from megactx.serve.async_engine import DEFAULT_MAX_HANDOVERS_PER_S
@@ -92,9 +92,7 @@ def add_serve_parser(subparsers) -> None:
                    help="sequences the running batch holds at once (default %(default)s)")
     p.add_argument("--max-num-batched-tokens", type=int, default=defaults["max_num_batched_tokens"],
                    help="positions one engine step computes: decodes plus prefill chunks (default %(default)s)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=defaults["gpu_memory_utilization"],
-                   help="fraction of the GPU's memory the process may use; what weights and activations leave "
-                        "goes to the KV cache (default %(default)s)")
+    add_gpu_memory_argument(p)
     p.add_argument("--kv-cache-dtype", choices=["auto", "bf16", "fp8"], default=defaults["kv_cache_dtype"],
                    help="MLA cache format: auto (= --dtype), bf16, or fp8 (656 B a token a layer instead of "
                         "1152) (default %(default)s)")

@@ -548,7 +548,7 @@ def parse_tasks(text: str) -> list[NeedleTask]:
 def add_eval_parser(subparsers: Any) -> None:
     """Register `eval` with its `bpb`, `needles` and `needle-recall` subcommands on an argparse
     subparsers object."""
-    from megactx.cli import add_hf_overrides_argument
+    from megactx.cli import add_gpu_memory_argument, add_hf_overrides_argument
 
     p = subparsers.add_parser("eval", help="evaluate a checkpoint: held-out bits per byte, needle retrieval",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -591,9 +591,7 @@ def add_eval_parser(subparsers: Any) -> None:
     n.add_argument("--trained-length", type=int, default=None,
                    help="the model's trained context: the report says whether every context up to it passes")
     n.add_argument("--max-num-batched-tokens", type=int, default=8192, help="engine prefill chunk budget")
-    n.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of the GPU's memory the engine may use, its KV cache taking what weights and "
-                        "activations leave; lower it to evaluate beside a training run (default %(default)s)")
+    add_gpu_memory_argument(n, "; lower it to evaluate beside a training run")
     n.add_argument("--kv-cache-dtype", choices=("auto", "bf16", "fp8"), default="auto",
                    help="MLA cache: auto (= the model's dtype), bf16 or fp8 (default auto)")
     n.add_argument("--index-cache-dtype", choices=("auto", "fp8"), default=None,

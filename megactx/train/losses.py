@@ -666,7 +666,7 @@ class Objective(nn.Module):
         # the target's softmax at the same rows
         rows = _rows_per_chunk(anchors, B * gamma * model.cfg.vocab_size * 4 * 6, cfg.chunk_bytes)
 
-        def chunk(h: torch.Tensor, y: torch.Tensor, *g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def chunk(h: torch.Tensor, y: torch.Tensor, *g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
             # g: γ × [B, r, D] the drafts of anchors i = a0..a1-1; h: [B, r + γ - 1, D] the target's hidden
             # at rows a0 + 1 ..: the p of token x_{i+j+1} sits at row i + j; y: [B, r + γ - 1] those tokens
             r = g[0].shape[1]
@@ -677,7 +677,7 @@ class Objective(nn.Module):
             with torch.set_grad_enabled(torch.is_grad_enabled() and "tv" in losses):
                 alpha = tv_acceptance(target, draft)  # [B, r, γ]
             if "ce" not in losses:
-                return alpha, torch.zeros_like(alpha)
+                return alpha, None
             labels = torch.stack([y[:, j : j + r] for j in range(gamma)], dim=2)  # [B, r, γ]
             ce = F.cross_entropy(draft.flatten(0, 2).float(), labels.flatten(), reduction="none")
             return alpha, ce.view(labels.shape)
@@ -689,11 +689,11 @@ class Objective(nn.Module):
             args = (hidden[:, a0 + 1 : a1 + gamma], input_ids[:, a0 + 2 : a1 + gamma + 1],
                     *(g[:, a0:a1] for g in outs))
             parts.append(checkpoint(chunk, *args, use_reentrant=False) if grad else chunk(*args))
-        alpha_t = torch.cat([a for a, _ in parts], dim=1)  # [B, A, γ]
-        metrics["mtp_accept"] = expected_accept_length(alpha_t.detach()).mean()
+        accept = expected_accept_length(torch.cat([a for a, _ in parts], dim=1)).mean()  # of [B, A, γ] alphas
+        metrics["mtp_accept"] = accept.detach()
         terms = {}
         if "ce" in losses:
             terms["mtp_ce"] = torch.cat([c for _, c in parts], dim=1).mean()
         if "tv" in losses:
-            terms["mtp_tv"] = 1.0 - alpha_t.cumprod(-1).mean(-1).mean()
+            terms["mtp_tv"] = 1.0 - accept / gamma  # tv_loss: 1 − (1/γ) Σ_j Π_{i≤j} α_i, over the anchors
         return terms
