@@ -359,10 +359,14 @@ def test_a_slow_stream_gets_fewer_completion_events_with_the_same_text_logprobs_
     def joined(chunks, field):
         return sum((getattr(c.logprobs, field) for c in chunks), [])
 
-    for field in ("tokens", "top_logprobs", "text_offset"):  # offsets continue across merged deltas
+    for field in ("tokens", "text_offset"):  # offsets continue across merged deltas
         assert joined(slow, field) == joined(fast, field)
-    got, want = joined(slow, "token_logprobs"), joined(fast, "token_logprobs")
-    assert len(got) == num_tokens and max(abs(a - b) for a, b in zip(got, want)) < 1e-5
+    # the same tokens and alternatives; two engines' log-probabilities may round apart in the last bits
+    got_top, want_top = joined(slow, "top_logprobs"), joined(fast, "top_logprobs")
+    assert [sorted(t) for t in got_top] == [sorted(t) for t in want_top]
+    got = joined(slow, "token_logprobs") + [t[k] for t in got_top for k in sorted(t)]
+    want = joined(fast, "token_logprobs") + [t[k] for t in want_top for k in sorted(t)]
+    assert len(got_top) == num_tokens and max(abs(a - b) for a, b in zip(got, want)) < 1e-5
     assert [c.finish_reason for c in slow] == [None] * (len(slow) - 1) + ["length"]
     assert not coalesced[-1].choices and coalesced[-1].usage == per_token[-1].usage
     assert coalesced[-1].usage.completion_tokens == num_tokens
