@@ -9,9 +9,9 @@
 # contexts (512k, 1m) take minutes each: run them apart with `megactx eval needles --contexts`.
 #   1. held-out bits per byte at equal budget: IndexShare (sparse), DSA in every layer (sparse-dsa),
 #      dense (sparse-dense), and the shipped model after context extension and MTP training
-#   2. the training-free IndexShare search from the DSA checkpoint down to 2 full layers, against
-#      the uniform 1-in-4 pattern FSSSFSSS, on held-out code and needle tasks (megactx-tiny shares by
-#      FSSSSSSF, see megactx.train.recipe.tiny_recipe)
+#   2. the training-free IndexShare search from the DSA checkpoint down to a quarter of its layers
+#      full, against the uniform 1-in-4 pattern (FSSSFSSSFSSSFSSS at 16 layers), on held-out code and
+#      needle tasks (megactx-tiny shares by FSSSFSSSFSSSSSSF, see megactx.train.recipe.tiny_recipe)
 #   3. needle retrieval of the shipped model up to and past its trained length (NEEDLE_MODEL: another
 #      directory with the same backbone, e.g. a bf16 export of the extend stage, so that the needles
 #      may run while the MTP variants train; the MTP stages leave the backbone untouched)
@@ -45,8 +45,11 @@ fi
 
 if part search; then
 stamp "IndexShare search"
+LAYERS=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["num_hidden_layers"])' \
+  "$RUN/sparse-dsa/checkpoint/config.json")
+UNIFORM=$(printf 'FSSS%.0s' $(seq $(( LAYERS / 4 ))))
 "$PY" -m megactx indexshare-search --model "$RUN/sparse-dsa/checkpoint" --data-dir "$RUN/data" --seed "$SEED" \
-  --num-full 2 --compare FSSSFSSS --out "$OUT/indexshare-search" --no-progress
+  --num-full $(( LAYERS / 4 )) --compare "$UNIFORM" --out "$OUT/indexshare-search" --no-progress
 fi
 
 if part needles; then

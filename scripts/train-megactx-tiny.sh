@@ -7,8 +7,8 @@
 #   SEED=1 PATTERN=FSFSSSSS scripts/train-megactx-tiny.sh runs/tiny-b   # another seed / IndexShare pattern
 #   (also COPY_FORMS=half, TOPK=256, STAGE_STEPS=extend=120, SELECT_FP8=1, COMPILE=1, CHUNK_MB=2048, YARN_FACTOR=32:
 #   megactx train --copy-forms, --topk, --stage-steps, --select-fp8, --compile, --chunk-mb, --yarn-factor)
-#   HF_OVERRIDES='{"num_hidden_layers": 16, "n_routed_experts": 4}' PATTERN=FSSSFSSSFSSSFSSS \
-#     scripts/train-megactx-tiny.sh runs/deep    # a deeper model (megactx train --hf-overrides)
+#   HF_OVERRIDES='{"num_hidden_layers": 8, "n_routed_experts": 8}' PATTERN=FSSSSSSF \
+#     scripts/train-megactx-tiny.sh runs/tiny8   # the 8-layer model of before (megactx train --hf-overrides)
 #
 # Order (each line a `megactx train` call; every stage resumes its own checkpoint, so re-running
 # the script continues an interrupted run):
@@ -18,7 +18,7 @@
 #      ablations at equal budget: warmup and sparse with an indexer in every layer
 #      (--attention dsa), and sparse with dense attention (--attention dense)
 #   3. extend at CONTEXT tokens (default 65536; "auto" = the longest that fits CONTEXT_BUDGET minutes),
-#      then indexers there (the backbone frozen, its two indexers trained on, the needle answers'
+#      then indexers there (the backbone frozen, its indexers trained on, the needle answers'
 #      attention weighed apart)
 #   4. MTP (mtp_warmup, mtp), three variants at once: CE without IndexShare/KVShare (the ladder's
 #      baseline), CE with, and the end-to-end TV loss with

@@ -563,6 +563,25 @@ def test_a_yarn_factor_gives_the_extended_stages_position_headroom():
         dataclass_replace(recipe, stages=[dataclass_replace(s, yarn=False) for s in recipe.stages])
 
 
+def test_yarn_headroom_scales_the_stretch_of_the_extended_rows():
+    from megactx.cli import build_parser
+    from megactx.train.cli import build_recipe
+    from megactx.train.recipe import tiny_recipe
+
+    recipe = dataclass_replace(smoke_recipe(), yarn_headroom=2.0)  # rows of 96 after 48: factor 2 x 2
+    assert stage_model_config(recipe, stage_index("extend")).rope_parameters["factor"] == 4.0
+    with pytest.raises(ValueError, match="yarn_headroom must be at least 1"):
+        dataclass_replace(recipe, yarn_headroom=0.5)
+
+    def factor(*argv):
+        recipe = build_recipe(build_parser().parse_args(["train", "--recipe", "tiny", *argv]))
+        return stage_model_config(recipe, recipe.stage_index("extend")).rope_parameters["factor"]
+
+    # megactx-tiny trains its 64K rows at positions for 128K, and a longer --context keeps the headroom
+    assert tiny_recipe().yarn_headroom == 2.0 and factor() == 32.0
+    assert factor("--context", "262144") == 128.0 and factor("--yarn-factor", "20") == 20.0
+
+
 def test_init_accepts_a_model_whose_yarn_this_stage_stretches_further():
     from megactx.train.recipe import further_stretch
 
@@ -991,8 +1010,8 @@ def test_train_cli_overrides_reach_the_recipe():
         build_recipe(parse(["train", "--smoke", "--chunk-mb", "0"]))
     with pytest.raises(ValueError, match="--topk"):
         build_recipe(parse(["train", "--smoke", "--topk", "0"]))
-    recipe = build_recipe(parse(["train", "--recipe", "tiny", "--pattern", "FSFSSSSS"]))
-    assert recipe.model.full_layers == [0, 2] and recipe.model.index_topk == tiny_recipe().model.index_topk
+    recipe = build_recipe(parse(["train", "--recipe", "tiny", "--pattern", "FSFSSSSSFSSSSSSF"]))
+    assert recipe.model.full_layers == [0, 2, 8, 15] and recipe.model.index_topk == tiny_recipe().model.index_topk
     recipe = build_recipe(parse(["train", "--recipe", "tiny", "--steps-scale", "0.5",
                                  "--stage-steps", "extend=120, mtp=7"]))
     steps = {s.kind: s.train.steps for s in recipe.stages}
@@ -1000,14 +1019,14 @@ def test_train_cli_overrides_reach_the_recipe():
     for bad in ("extend=0", "extnd=5", "extend"):
         with pytest.raises(ValueError, match="--stage-steps"):
             build_recipe(parse(["train", "--recipe", "tiny", "--stage-steps", bad]))
-    with pytest.raises(ValueError, match="--pattern.*8 letters"):
+    with pytest.raises(ValueError, match="--pattern.*16 letters"):
         build_recipe(parse(["train", "--recipe", "tiny", "--pattern", "FSS"]))
-    # a deeper model: the layer schedules follow the new depth, the other fields stay the recipe's
-    recipe = build_recipe(parse(["train", "--recipe", "tiny", "--pattern", "FSSS" * 4, "--hf-overrides",
-                                 '{"num_hidden_layers": 16, "n_routed_experts": 4, "rope_parameters": {"factor": 8}}']))
+    # another depth: the layer schedules follow it, the other fields stay the recipe's
+    recipe = build_recipe(parse(["train", "--recipe", "tiny", "--pattern", "FSSSSSSF", "--hf-overrides",
+                                 '{"num_hidden_layers": 8, "n_routed_experts": 8, "rope_parameters": {"factor": 8}}']))
     cfg, tiny = recipe.model, tiny_recipe().model
-    assert (cfg.num_hidden_layers, cfg.n_routed_experts, cfg.full_layers) == (16, 4, [0, 4, 8, 12])
-    assert len(cfg.mlp_layer_types) == 16 and cfg.hidden_size == tiny.hidden_size
+    assert (cfg.num_hidden_layers, cfg.n_routed_experts, cfg.full_layers) == (8, 8, [0, 7])
+    assert len(cfg.mlp_layer_types) == 8 and cfg.hidden_size == tiny.hidden_size
     assert cfg.rope_parameters == {**tiny.rope_parameters, "factor": 8}
     with pytest.raises(ValueError, match="did you mean 'num_hidden_layers'"):
         build_recipe(parse(["train", "--recipe", "tiny", "--hf-overrides", '{"num_layers": 16}']))

@@ -6,8 +6,8 @@
     megactx train --recipe tiny --out runs/tiny --stages mtp_warmup,mtp --mtp-loss tv
     megactx train --recipe tiny --out runs/tiny --stages warmup,sparse --attention dsa   # an ablation
     megactx train --recipe tiny --out runs/more --stages extend --init models/megactx-tiny  # more steps
-    megactx train --recipe tiny --out runs/y32 --stages extend,indexers --init models/megactx-tiny \
-        --yarn-factor 32                                   # its 64K rows trained at 128K positions
+    megactx train --recipe tiny --out runs/y64 --stages extend,indexers --init models/megactx-tiny \
+        --yarn-factor 64                                   # its 64K rows trained at 256K positions
     torchrun --nproc-per-node 2 -m megactx train --recipe tiny --out runs/tiny   # data parallel
 
 Every stage resumes its own checkpoint and starts from the previous stage's, so a run cut by
@@ -51,8 +51,9 @@ def add_train_parser(subparsers: Any) -> None:
                         "this GPU (and --context-budget)")
     p.add_argument("--yarn-factor", type=float, default=None, metavar="F",
                    help="YaRN factor of the extend stage and those after it (default: its rows over the sparse "
-                        "stage's, 16 for tiny at 64K): a larger one trains the rotary positions the model will be "
-                        "served with past its trained rows (e.g. 32: positions for 128K, rows of 64K)")
+                        "stage's, times the recipe's headroom: 32 for tiny at 64K, positions for 128K); one above "
+                        "the rows' stretch trains the rotary positions the model will be served with past its "
+                        "trained rows")
     p.add_argument("--context-budget", type=float, default=None,
                    help="with --context auto: minutes the extend stage may take")
     p.add_argument("--attention", choices=("indexshare", "dsa", "dense"), default=None,
@@ -98,11 +99,11 @@ def add_train_parser(subparsers: Any) -> None:
     p.add_argument("--pattern", default=None,
                    help="IndexShare pattern from the warmup stage on, one letter a layer: F runs its indexer, S "
                         "reuses the top-k of the nearest F below (the model's index_topk_pattern; default: the "
-                        "recipe's, e.g. FSSSSSSF for tiny); give the same one when resuming a run")
+                        "recipe's, e.g. FSSSFSSSFSSSSSSF for tiny); give the same one when resuming a run")
     add_hf_overrides_argument(p, help="change fields of the recipe's model config, nested objects merged key by "
-                                      "key, e.g. a deeper megactx-tiny: '{\"num_hidden_layers\": 16, "
-                                      "\"n_routed_experts\": 4}' with --pattern FSSSFSSSFSSSFSSS; give the same "
-                                      "ones when resuming a run")
+                                      "key, e.g. the 8-layer megactx-tiny of before: '{\"num_hidden_layers\": 8, "
+                                      "\"n_routed_experts\": 8}' with --pattern FSSSSSSF; give the same ones when "
+                                      "resuming a run")
     p.add_argument("--init", type=Path, default=None, metavar="MODEL_DIR",
                    help="start the first of --stages from this model directory's weights instead of the previous "
                         "stage's checkpoint, e.g. more extend steps on a shipped model: --stages extend --init "

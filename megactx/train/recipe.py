@@ -149,9 +149,9 @@ class Recipe:
     select_fp8: the sparse stages select keys as the serving engine's FP8 indexer cache does (the
     indexers' KL still trains their exact scores). compile: each stage compiles its model's layer
     blocks (trainer.compile_blocks) before training: the same math, fewer kernels. yarn_factor: the
-    YaRN factor of the stages from the first with `yarn` on (default: their longest rows over the
-    longest rows before it); a larger one trains the positions the model will be served with past
-    its trained rows."""
+    YaRN factor of the stages from the first with `yarn` on (default: the stretch, their longest
+    rows over the longest rows before it, times yarn_headroom); a factor above the stretch trains
+    the positions the model will be served with past its trained rows."""
 
     name: str
     model: ModelConfig
@@ -167,6 +167,7 @@ class Recipe:
     select_fp8: bool = False  # sparse layers select their top-k from FP8-simulated indexer scores
     compile: bool = False
     yarn_factor: float | None = None
+    yarn_headroom: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.copy_forms or set(self.copy_forms) - set(COPY_FORMS):
@@ -179,6 +180,9 @@ class Recipe:
             if stage.yarn and (i == 0 or stage.train.seq_len <= max(s.train.seq_len for s in self.stages[:i])):
                 raise ValueError(f"stage {stage.kind!r} has yarn on: it must come after a stage and train longer rows "
                                  "than every stage before it (YaRN stretches the positions of those)")
+        if self.yarn_headroom < 1:
+            raise ValueError(f"yarn_headroom must be at least 1 (positions for the trained rows), "
+                             f"got {self.yarn_headroom:g}")
         if self.yarn_factor is not None:
             rows = self.yarn_rows()
             if rows is None:
@@ -256,8 +260,9 @@ def stage_model_config(recipe: Recipe, index: int) -> ModelConfig:
     rows = recipe.yarn_rows(index)
     if rows is not None:
         original, stretched = rows
+        factor = recipe.yarn_factor or recipe.yarn_headroom * stretched / original
         cfg = cfg.replace(rope_parameters={
-            "rope_type": "yarn", "rope_theta": cfg.rope_theta, "factor": recipe.yarn_factor or stretched / original,
+            "rope_type": "yarn", "rope_theta": cfg.rope_theta, "factor": factor,
             "original_max_position_embeddings": original, "beta_fast": 32, "beta_slow": 1,
             "mscale": 1.0, "mscale_all_dim": 1.0})  # DeepSeek-V3's YaRN settings
     return cfg
@@ -787,163 +792,43 @@ def smoke_recipe() -> Recipe:
 
 
 def tiny_recipe() -> Recipe:
-    """megactx-tiny (the `tiny` preset with top-k 128 and IndexShare 1/4: two full layers of eight,
-    the pattern FSSSSSSF; ~10M parameters) on the stdlib code corpus (~2.6M train tokens), for one
-    H200 (about 20 GPU-minutes for the stages and their ablations).
+    """megactx-tiny: the `tiny` preset at 16 layers (hidden 256, MLA, MoE with 4 routed experts and
+    a shared one, one MTP layer; 12.9M parameters), top-k 128 and IndexShare 1/4 with four indexers,
+    at layers 0, 4, 8 and 15 (FSSSFSSSFSSSSSSF), on the stdlib code corpus (~2.3M train tokens):
+    one H200, about 26 minutes for every stage and the MTP layers of the acceptance ladder. Why each
+    choice, with the runs that decided it, is in docs/megactx-tiny.md ("How the recipe came to be").
 
-    The pattern: the first and the last layer keep their indexers; layer 0's serves layers 1-6.
-    The last layer is the one that retrieves: in a model that had learnt the needles with an
-    indexer in every layer (1024 tokens, top-k 128), handing layer 7 the top-k of layer 6 took the
-    needle answer loss from 1.11 to 4.74 nats/token, while sharing any other one layer cost at
-    most 0.26, and every pattern with layer 7 shared (FFSSSSSS, GLM-5.2's uniform rule FFFSSSFS)
-    stayed at 4-6 after the warm-up. A run that shared by FFSSSSSS (chosen by code loss alone)
-    ended its sparse stage 0.6% above every-layer DSA in bits per byte but answered no needle at
-    any length. After 60 CPU steps of `sparse` (4 × 1024 tokens) from the same dense model,
-    FSSSSSSF answered held-out needles at least as well as every-layer DSA (answer loss 0.67 vs 0.92
-    nats/token), its code loss 0.24 nats/token higher at that small budget.
+    The pattern: the last layer is the one that retrieves, and wants its own indexer (every pattern
+    that shared it, at 8 and at 16 layers, lost the copy rows or the needles); the middle layers'
+    code wants an indexer deeper than layer 0's. At equal budget this pattern was +0.93% / +0.25%
+    held-out bits per byte against every-layer DSA at 1K / 4K and +1.32% / +1.30% against dense,
+    and learnt the copy rows and needles as every-layer DSA did.
 
-    Needle tasks are half the rows of the backbone stages: 512 tokens each, packed four a row, in
-    `dense` and `warmup`; in `sparse`, rows of one 4096-token task alternate with rows of four of
-    1024; in `extend` (a code row and a needle row a step), one 64K task, then sixteen of 4096. Their
-    answer loss is weighed apart from the code's (LossConfig.needle_weight), so that retrieval is
-    learnt at short lengths, its attention distilled into the indexers, and then extended. Each
-    stage's tasks span its whole rows: a run whose `sparse` tasks were all 1024 tokens found needles
-    within ~1.5K tokens of the question and few beyond (at 4K: 12% of those at depth 0-0.2, 100%
-    at 0.6-1.0), and lost even those in `extend`. 30 CPU steps of two 4096-token tasks on that
-    model took it from 62% to 85% at 4K (88% at depth 0-0.2).
+    Needle tasks are half the rows of the backbone stages and their answer loss is weighed apart
+    from the code's (LossConfig.needle_weight), so that retrieval is learnt at short lengths, its
+    attention distilled into the indexers, then extended: 512-token tasks packed four a row in
+    `dense` and `warmup` (one value to find: single, multikey, distractors); in `sparse` rows of one
+    4096-token task alternate with rows of four of 1024 (every task kind); in `extend` and
+    `indexers` one 64K task, then sixteen of 4096. Half the code rows are copy rows (a window
+    repeated later in its row, at a fixed or a varying distance: CodeSource), the dense signal that
+    teaches finding and continuing earlier text; without them retrieval was never learnt. It is
+    learnt abruptly, at a step that moves from run to run (1650-2500 of 3000 at 8 layers; at 16
+    layers once not within 2000), so run_recipe warns after a stage that has not learnt it.
 
-    `extend` stretches the rotary positions by YaRN (factor 16 over the 4096 of `sparse`). Without
-    it the `sparse` model's held-out loss rose with the context (1.386, 1.715, 1.976 bits/byte at
-    4K, 8K, 16K), the extend stage began at 5 nats/token on code and ended at 3.6, and the needles
-    fell to chance; with YaRN put on the same model untrained, 4K cost more (1.570) but 8K and 16K
-    far less (1.601, 1.719): the loss climbs far less with the distance, before any training.
-
-    The dense stages ask one value (single, multikey, distractors); multi-query and multi-hop tasks
-    join from `sparse` on. Half the code rows are copy rows (code repeated later in its row:
-    CodeSource), the dense signal that teaches the model to find and continue earlier text; the run
-    without them never learnt retrieval (its needle loss stayed at chance). With copy rows that all
-    repeated their first half at a fixed distance, two H200 dense stages of 2000 steps learnt that
-    distance by step ~800; one of them learnt the needles at steps 1650-1860 (needle loss 1.97 ->
-    0.26 nats/token), the other not at all. Hence half the copy rows now repeat a window at a
-    varying distance, which only a head that matches content predicts, and 3000 steps. Two H200
-    dense stages of 3000 steps, side by side, both learnt the needles: these copy rows (seed 0) at
-    steps ~2250-2500 (needle loss of the last 100 steps 0.027), the half repeat alone (`--copy-forms
-    half --seed 1`) at ~1750-2000 (0.006).
-
-    The shipped model is this recipe's run of 2026-11-30 (seed 0, one H200, 19 minutes), then its
-    `indexers` stage (below). Before that stage: needles 99.5% at 4K and 16K, 80.5% at 64K, 0% at
-    128K (the extend stage's needle loss was still falling at its 60th step: 0.71, 0.53, 0.37, 0.26,
-    0.25 by tens of steps); IndexShare FSSSSSSF ended its
-    sparse stage 0.3 nats/token above every-layer DSA on code (2.39 vs 2.08; the gap stopped
-    shrinking after ~60 steps), 8.7% / 10.9% in held-out bits per byte at 1K / 4K. Its IndexShare
-    search (`--pattern` trains another) found sharing layer 2 or 5 with the layer below costly
-    (+3.8 / +3.2 nats/token alone) and layer 7 nearly free (+0.09), ending at FSFSSSSS. A twin with
-    top-k 256, `--copy-forms half` and seed 1 lost the needles in its sparse stage (answer loss 1.6;
-    0.5% at 4K after extend).
-
-    The same recipe and seed run again (2026-11-30, code of 965d16a, `--stage-steps extend=120,mtp=250`)
-    did worse: its dense stage learnt the needles ~1000 steps later (needle loss 0.20 over steps
-    2400-2500, 0.03 at the end), and the model found 87.5 / 57.5 / 47 / 43% of the needles at 4K /
-    16K / 32K / 64K. Held-out bits/byte of its dense ablation was 1.338 at 1K, against 1.159 in the
-    shipped run: one recipe spreads by 0.18 bits/byte from run to run (changed kernels round
-    differently, so no two code versions replay a run), so compare patterns within a run, from its
-    dense checkpoint. There IndexShare FSSSSSSF was 3.0% / 3.8% above every-layer DSA at 1K / 4K;
-    top-k 256 instead of 128, 2.5% / 3.3%; FSFSSSSS (the search's pick) 4% / 5% BELOW it, having
-    lost the needles (answer loss at chance: its last layer, the one that retrieves, took layer 2's
-    top-k). Its search again found layer 7 the retrieving one (+3.6 nats/token shared alone) and,
-    at three full layers, FSFSSSSF within 0.03 of every-layer DSA.
-
-    More extend steps do not bring the 64K needles to 95% (2026-12-03, 5 H200-minutes: `megactx
-    train --recipe tiny --stages extend --init models/megactx-tiny --stage-steps extend=150`): the
-    needle loss stayed at 0.23-0.29 nats/token after the first ten steps (one window of ten at
-    0.41), and the same 200 cases at 64K (haystacks from the training corpus's held-out split) went
-    from 87.5% to 88.5% (11 gained, 9 lost). Not shipped. The wrong answers are near misses, the
-    first digits right and a later one wrong (153478 -> 153475). Teacher-forced over every other of
-    those cases (the method of `megactx eval needle-recall`, run ad hoc before that command
-    existed), layer 7's top-k (the layer that retrieves) held, at every answer position, the needle
-    token that position must copy in 98% of the right answers but in 38% of the wrong ones (89% of
-    their positions): most misses are layer 7's indexer dropping one token of the needle at one
-    position (the indexers' distillation KL only went from 1.15 to 0.97), the rest the attention failing with the
-    token selected. The same model served with top-k 256 or 512 instead of its 128 found 93.0% and
-    95.0% of them: the dropped tokens ranked just outside the selection.
-
-    Hence the last stage, `indexers` (2026-12-03, added to the shipped model by `megactx train
-    --recipe tiny --stages indexers --init models/megactx-tiny`, 50 steps, 2 H200-minutes): the
-    backbone frozen, the two indexers trained on at 64K with the distillation KL over each query's
-    top-512 keys (the served layers' attention scored there for the target; they still attend to
-    the top 128) plus the KL's mean over the needle answers alone, weighed as much as its mean over
-    every query. Averaged over a 64K row's queries, the few that retrieve carry no weight: 75 steps
-    with the wider KL alone (top 1024) left the same 200 cases at 85.0%. With the answers' term, it
-    fell from 2.27 to 1.28 nats in 50 steps (still falling; the mean over every query rose from
-    1.41 to 1.47) and the 200 cases went from 87.5% to 96.5%; on the report's haystacks (the H200
-    image's Python 3.12 stdlib) 80.5% -> 94.5% at 64K, 99.5% -> 100% at 16K, and held-out bits per
-    byte rose 0.2% (1.3010 -> 1.3033 at 1K). Teacher-forced over 100 cases at 64K, layer 7's top-k
-    now holds every needle token the answer copies in the wrong answers too: what is left is the
-    attention's. Only the indexers' tensors changed: the shipped MTP layer, trained before the
-    stage existed, drafts from the same backbone weights (a whole run trains it after `indexers`).
-
-    Why FSSSSSSF and not a pattern whose shared layers get a deeper indexer than layer 0's
-    (2026-12-03, 10 H200-minutes: one dense stage, then side by side from it FSFSSSSS, FFSSSSSS,
-    every-layer DSA and dense, all with `--indexer-needle-weight 1`, which since then also weighs
-    the dense warm-up's KL over the needle answers). Means over sparse steps 110-136, nats/token
-    (code, copy rows, needle answers): FSFSSSSS 2.21, 2.18, 0.92; FFSSSSSS 2.30, 2.29, 1.45;
-    every-layer DSA 2.33, 0.93, 0.32; dense 2.34, 0.79, 0.32. The two patterns keep up on code
-    but never learn the copy rows (their loss is the code's) and learn the needles slower (steps
-    201-231: FSFSSSSS 2.03, 2.06, 0.62; dense 2.15, 0.60, 0.18). Their warm-up ended with the
-    indexer KL over the needle answers at 0.96 and 0.84 nats, against 0.12 for DSA's own
-    indexers: the input of layer 1 or 2 does not tell which of the many earlier tokens that follow
-    the same one or two tokens a copy or an answer reads. The same on a CPU (an ad-hoc probe, not
-    in the repo: from that dense checkpoint, the indexer of layer L alone, trained by the dense
-    warm-up's KL plus its needle-answer term against the mean attention of layers L..7, 150 steps
-    of 8 needle tasks of 512 tokens): its KL at the answers levelled off at 1.47, 1.50 and 0.73
-    nats for L = 1, 2 and 4, and at 0.13 for layer 7 alone (0.31 at step 30). Retrieval wants a
-    deep layer's own indexer and the middle layers' code wants theirs; two indexers in eight layers keep one or the
-    other, which is why IndexShare 1/4 stays 8.7% above every-layer DSA here. (The device budget
-    stopped the runs at step ~230 of 300 and DSA at 136: not evaluated.)
-
-    Four indexers in sixteen layers (2026-12-03, one H200: `--hf-overrides '{"num_hidden_layers":
-    16, "n_routed_experts": 4}' --pattern FSSSFSSSFSSSFSSS`, dense 2000 steps, then warmup 100
-    and sparse 300 side by side with every-layer DSA and dense) close the gap on code: held-out
-    bits per byte at 1K / 4K 1.3807 / 1.3723 for IndexShare, 1.3858 / 1.3800 for DSA, 1.3903 /
-    1.3810 dense. The retrieval rows still lag (copy 2.36 against 0.84 nats/token under DSA,
-    needle answers 0.28 against 0.13): layer 15 selects by layer 12's indexer. With the last
-    layer's own indexer, FSSSSFSSSSFSSSSF (same dense budget, seed and data; sparse stopped at step
-    266 of 300 by the device's time), the copy rows are learnt (1.07, last 10% of steps; needle
-    answers 0.20, code 2.41), but after `extend` 60 and `indexers` 50 at 64K the needles are found
-    in 100% of 40 cases at 16K and 82.5% of 40 at 64K: less than the 8-layer model's 94.5%, so not
-    shipped. The report's section "Deeper" has the commands.
-
-    The last layer's own indexer and a middle one every four layers below it, FSSSFSSSFSSSSSSF
-    (2026-12-04, one H200, the same 16-layer model and dense budget; warmup 100 and sparse 300 side
-    by side with every-layer DSA and dense): held-out bits per byte at 1K / 4K 1.3719 / 1.3602,
-    against 1.3593 / 1.3568 for DSA (+0.93% / +0.25%) and 1.3540 / 1.3427 dense (+1.32% / +1.30%),
-    and the retrieval rows learnt as under DSA (last 10% of sparse steps, code / copy / needle
-    answers: 2.34 / 0.91 / 0.12 against 2.31 / 0.87 / 0.11 and dense 2.30 / 0.85 / 0.14). The
-    first pattern here within 2% of every-layer DSA that also retrieves. A second run of the same
-    commands (seed, data and code) through every stage, to ship it, never learnt the needles: its
-    dense stage ended at 1.66 nats/token on their answers (the two before: 0.017 and 0.04), and the
-    model found 0% at 4K and 64K. Retrieval appears at a step that varies from run to run, and 2000
-    dense steps are the edge of it at 16 layers; run_recipe warns after such a stage
-    (retrieval_warning).
-
-    Trained at the positions it is served with (2026-12-04, shipped; 8 H200-minutes): the model
-    above extended again, `megactx train --recipe tiny --stages extend,indexers --init
-    models/megactx-tiny --yarn-factor 32` (extend 60 and indexers 50 at 64K, YaRN factor 32 over
-    the original 4K instead of 16), then its three MTP variants trained again on that backbone
-    (`--stages mtp_warmup,mtp --init <its indexers checkpoint in bf16> --yarn-factor 32`, side by
-    side, 5 minutes). The same 200 cases at 64K: 97.0%, against 94.5% at factor 16 and 95.5% with
-    factor 32 only at serving; at 128K 51.5% (0% and 79.5%). Held-out bits per byte fell 2.0% /
-    2.6% at 1K / 4K (1.277 / 1.274). The acceptance-length ladder held (γ = 7, batch 32: 1.40 ->
-    1.41 -> 2.04 -> 2.06).
+    `extend` trains 64K rows at YaRN positions for twice that (yarn_headroom 2: factor 32 over the
+    4096 of `sparse`), as the model is served; `indexers` then trains the indexers alone (the
+    backbone frozen) on the attention of each query's top 512 keys, with the KL's mean over the
+    needle answers weighed as much as its mean over every query: a 64K row's few retrieving queries
+    otherwise carry no weight, and the 8-layer model went from 87.5% to 96.5% of 200 needles at 64K.
 
     Tokens: dense 3000 × 16 × 2048 ≈ 98M (a quarter code rows, a quarter copy rows: ~9 passes over
-    the corpus; ~96K needle tasks),
-    warm-up 3.3M, sparse 300 × 8 × 4096 ≈ 10M, extend 60 × 2 × 64K ≈ 7.9M, indexers 50 × 2 × 64K ≈ 6.6M,
-    MTP 100 × 16 × 2048 +
-    150 × 8 × 4096 ≈ 8M (the backbone frozen; the pipeline trains three MTP variants at once).
-    max_position_embeddings is 1M so that the needle evaluation may run past the trained length.
-    Scale the steps with `megactx train --steps-scale`."""
-    model = ModelConfig.from_pretrained("tiny").replace(index_topk=128, index_topk_pattern="FSSSSSSF",
+    the corpus), warm-up 3.3M, sparse 300 × 8 × 4096 ≈ 10M, extend 80 × 2 × 64K ≈ 10.5M, indexers
+    50 × 2 × 64K ≈ 6.6M, MTP 100 × 16 × 2048 + 150 × 8 × 4096 ≈ 8M per variant (the backbone
+    frozen). max_position_embeddings is 1M so that the needle evaluation may run past the trained
+    length. Scale the steps with `megactx train --steps-scale`; the 8-layer model shipped before is
+    `--hf-overrides '{"num_hidden_layers": 8, "n_routed_experts": 8}' --pattern FSSSSSSF`."""
+    model = ModelConfig.from_pretrained("tiny").replace(num_hidden_layers=16, n_routed_experts=4, index_topk=128,
+                                                        index_topk_pattern="FSSSFSSSFSSSSSSF",
                                                         max_position_embeddings=1 << 20)
 
     def train(steps: int, seq_len: int, batch: int, micro: int, lr: float, warmup: int) -> TrainConfig:
@@ -957,13 +842,13 @@ def tiny_recipe() -> Recipe:
                     needle_tasks=lookups, copy_fraction=0.5),
               Stage("sparse", train(300, 4096, 8, 8, 1e-3, 30), needle_fraction=0.5, needle_len=(4096, 1024),
                     copy_fraction=0.5),
-              Stage("extend", train(60, 65536, 2, 1, 3e-4, 6), needle_fraction=0.5, needle_len=(65536, 4096),
+              Stage("extend", train(80, 65536, 2, 1, 3e-4, 6), needle_fraction=0.5, needle_len=(65536, 4096),
                     copy_fraction=0.5, yarn=True),
               Stage("indexers", train(50, 65536, 2, 1, 5e-4, 10), needle_fraction=0.5, needle_len=(65536, 4096),
                     copy_fraction=0.5, kl_candidates=512, indexer_needle_weight=1.0),
               Stage("mtp_warmup", train(100, 2048, 16, 16, 1e-3, 10)),
               Stage("mtp", train(150, 4096, 8, 8, 1e-3, 15))]
-    return Recipe("tiny", model, stages, data="code", chunk_bytes=1 << 30)
+    return Recipe("tiny", model, stages, data="code", chunk_bytes=1 << 30, yarn_headroom=2.0)
 
 
 RECIPES = {"smoke": smoke_recipe, "tiny": tiny_recipe}
