@@ -500,7 +500,7 @@ UNLEARNT_NEEDLE_LOSS = 1.0  # nats/token over a stage's last 10%: chance ≈ ln 
 def retrieval_warning(name: str, kind: str, history: list[dict]) -> str | None:
     """A warning when a finished stage's needle answers, over its last 10% of steps, still cost
     more than UNLEARNT_NEEDLE_LOSS: retrieval is a late jump in the dense stage (it came at steps
-    ~1650-2500 in the runs of `tiny_recipe`'s docstring, and in one 16-layer run of 2000 steps not
+    ~1650-2500 in the 8-layer runs of docs/megactx-tiny.md, and in one 16-layer run of 2000 steps not
     at all), and the stages after such a model do not learn it either. None when it is learnt or
     the stage has no needle rows."""
     losses = [row["needle"] for row in history[-max(1, len(history) // 10):]
