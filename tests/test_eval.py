@@ -229,6 +229,46 @@ def test_shards_run_the_whole_runs_cases_and_merge_back_into_it(generator):
         evaluate_needles(ANSWERERS["oracle"], generator, TASKS, [CONTEXT], NUM_CASES, seed=2, shard=(5, 6))
 
 
+def test_a_stopped_run_resumes_from_its_saved_report_to_the_whole_runs_report(generator):
+    from megactx.train.evaluate import NeedleReport
+
+    run = dict(depth_buckets=2, batch_size=2)
+    whole = evaluate_needles(ANSWERERS["shallow"], generator, TASKS, [CONTEXT, 384], NUM_CASES, seed=2, **run)
+    saved, asked = [], []
+
+    def stops_after_three_batches(cases):
+        if len(asked) == 3:
+            raise KeyboardInterrupt  # the run is stopped in its fourth batch
+        asked.append([c.answer for c in cases])
+        return ANSWERERS["shallow"](cases)
+
+    def save(report):  # what the CLI writes after every batch: the report's JSON
+        saved.append(json.loads(json.dumps(report.to_json())))
+
+    with pytest.raises(KeyboardInterrupt):
+        evaluate_needles(stops_after_three_batches, generator, TASKS, [CONTEXT, 384], NUM_CASES, seed=2,
+                         on_batch=save, **run)
+    last = NeedleReport.from_json(saved[-1])
+    assert len(saved) == 3 and len(last.outcomes) == NUM_CASES  # the first (task, context): batches of 2, 2, 1
+
+    def counted(cases):
+        asked.append([c.answer for c in cases])
+        return ANSWERERS["shallow"](cases)
+
+    asked.clear()
+    resumed = evaluate_needles(counted, generator, TASKS, [CONTEXT, 384], NUM_CASES, seed=2, resume=last, **run)
+    assert resumed.to_json() == whole.to_json()  # the same outcomes, in the same order
+    assert sum(map(len, asked)) == len(whole.outcomes) - NUM_CASES  # the saved cases are not run again
+    # a report of another evaluation, or of another shard, is refused
+    with pytest.raises(ValueError, match="another evaluation: its seed is 2"):
+        evaluate_needles(counted, generator, TASKS, [CONTEXT, 384], NUM_CASES, seed=3, resume=last, **run)
+    with pytest.raises(ValueError, match="another evaluation: its contexts"):
+        evaluate_needles(counted, generator, TASKS, [CONTEXT], NUM_CASES, seed=2, resume=last, **run)
+    with pytest.raises(ValueError, match="not in --shard 1/2"):
+        evaluate_needles(counted, generator, TASKS, [CONTEXT, 384], NUM_CASES, seed=2, resume=last, shard=(1, 2),
+                         **run)
+
+
 def test_engine_answerer_is_the_reference_models_greedy_decode(checkpoint, generator):
     from megactx import LLM, load_model
     from megactx.train.evaluate import EngineAnswerer
@@ -282,6 +322,25 @@ def test_eval_needles_shards_and_needles_merge_give_the_whole_runs_report(checkp
         assert (tmp_path / "merged" / name).read_text() == (tmp_path / "whole" / name).read_text()
     assert main(["eval", "needles-merge", str(tmp_path / "s0" / "needles.md"), "--out", str(tmp_path / "bad")]) == 2
     assert "not a needles.json" in capsys.readouterr().err
+
+
+def test_eval_needles_resume_keeps_the_saved_cases(checkpoint, data, tmp_path, capsys):
+    run = ["eval", "needles", "--model", str(checkpoint), "--contexts", "256", "--cases", "3", "--seed", "1",
+           "--corpus", str(data.directory / "corpus"), "--device", "cpu", "--batch-size", "1", "--no-progress"]
+    out = tmp_path / "run"
+    assert main([*run, "--out", str(out), "--resume"]) == 0, capsys.readouterr().err  # nothing saved: a whole run
+    assert "nothing to resume" in capsys.readouterr().err
+    whole = json.loads((out / "needles.json").read_text())
+    stopped = dict(whole, outcomes=whole["outcomes"][:2])  # as a run stopped in its third batch leaves it
+    stopped["outcomes"][0] = dict(stopped["outcomes"][0], output="kept", correct=False)  # not run again: kept
+    (out / "needles.json").write_text(json.dumps(stopped))
+    assert main([*run, "--out", str(out), "--resume"]) == 0, capsys.readouterr().err
+    assert "2 cases done" in capsys.readouterr().err
+    resumed = json.loads((out / "needles.json").read_text())
+    assert resumed["outcomes"] == stopped["outcomes"] + whole["outcomes"][2:]
+    assert not list(out.glob("*.partial"))
+    assert main([*run, "--seed", "2", "--out", str(out), "--resume"]) == 2
+    assert "another evaluation: its seed is 1" in capsys.readouterr().err
 
 
 def test_eval_needles_refuses_contexts_beyond_the_model(checkpoint, capsys):

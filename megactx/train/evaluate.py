@@ -6,6 +6,7 @@
     megactx eval needles --model M --contexts 1m --shard 0/2 --out runs/eval/s0   # half the cases here,
     megactx eval needles --model M --contexts 1m --shard 1/2 --out runs/eval/s1   # half there (another GPU),
     megactx eval needles-merge runs/eval/s0/needles.json runs/eval/s1/needles.json --out runs/eval/1m
+    megactx eval needles --model M --contexts 1m --shard 0/2 --out runs/eval/s0 --resume   # after a stop
 
 Every evaluation takes --model, --contexts and --seed, so anyone can run it on fresh cases and on
 other checkpoints.
@@ -22,6 +23,8 @@ context L has a prompt of L minus the task's answer budget, so prompt and answer
 Writes needles.json, needles.md and needles.png (accuracy vs context; depth x context heatmaps).
 A shard (--shard I/N) runs cases I, I + N, I + 2N, ... of each task and context, the same cases as
 in the whole run; `needles-merge` joins shards' (or other contexts') needles.json into one report.
+needles.json is saved after every batch: a run stopped (a time limit, a lost machine) continues
+with the same command and --resume, losing at most the batch it was in.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from collections import Counter
@@ -453,13 +457,17 @@ def evaluate_needles(answer: Answerer, generator: NeedleGenerator, tasks: Sequen
                      contexts: Sequence[int], num_cases: int, seed: int, model: str = "", batch_size: int = 8,
                      depth_buckets: int = DEFAULT_DEPTH_BUCKETS, threshold: float = DEFAULT_THRESHOLD,
                      trained_length: int | None = None, log: Callable[[str], object] | None = None,
-                     engine: str = "", shard: tuple[int, int] = (0, 1), progress: bool = False) -> NeedleReport:
+                     engine: str = "", shard: tuple[int, int] = (0, 1), progress: bool = False,
+                     resume: NeedleReport | None = None,
+                     on_batch: Callable[[NeedleReport], object] | None = None) -> NeedleReport:
     """Run `num_cases` cases of every task at every context through `answer`, `batch_size` cases
     at a time (a 1M-token prompt is large: cases are made as they are needed), and score them by
     exact match. shard (I, N): only cases I, I + N, ... of each task and context (their indices and
     depths those of the whole run), for `merge_needle_reports` to join with the other shards.
     progress: a bar over every case (on a terminal), with the context, the accuracy so far there
-    and the prompt tokens a second."""
+    and the prompt tokens a second. on_batch: called with the report so far after every batch (to
+    save it); resume: such a report of this same evaluation, from a run that stopped: its cases are
+    kept and not run again (a ValueError if it is of another evaluation or shard)."""
     if num_cases < 1:
         raise ValueError(f"--cases must be at least 1, got {num_cases}")
     if batch_size < 1:
@@ -472,13 +480,18 @@ def evaluate_needles(answer: Answerer, generator: NeedleGenerator, tasks: Sequen
         raise ValueError(f"--shard {first}/{every} holds none of the {num_cases} cases; use fewer shards")
     report = NeedleReport(model, seed, sorted(contexts), [t.label for t in tasks], depth_buckets, threshold,
                           trained_length, engine=engine, num_cases=num_cases)
+    if resume is not None:
+        _check_resumable(resume, report, shard)
+        report.outcomes.extend(resume.outcomes)
+    finished = {(o.task, o.context, o.index) for o in report.outcomes}
     depths = case_depths(num_cases)
-    bar = tqdm(total=len(report.contexts) * len(tasks) * len(indices), unit="case", desc="needles",
+    bar = tqdm(total=len(report.contexts) * len(tasks) * len(indices) - len(finished), unit="case", desc="needles",
                disable=None if progress else True, dynamic_ncols=True)
     start, tokens = time.perf_counter(), 0
     for context in report.contexts:
         for task in tasks:
-            cases = zip(indices, needle_cases(generator, task, context, num_cases, seed, indices))
+            todo = [i for i in indices if (task.label, context, i) not in finished]
+            cases = zip(todo, needle_cases(generator, task, context, num_cases, seed, todo))
             while batch := [c for _, c in zip(range(batch_size), cases)]:
                 outputs = answer([case for _, case in batch])
                 for (index, case), output in zip(batch, outputs, strict=True):
@@ -490,11 +503,27 @@ def evaluate_needles(answer: Answerer, generator: NeedleGenerator, tasks: Sequen
                                     f"{report.accuracy(task.label, context):.1%}, "
                                     f"{tokens / (time.perf_counter() - start):,.0f} prompt tokens/s", refresh=False)
                 bar.update(len(batch))
+                if on_batch:
+                    on_batch(report)
             if log:
                 log(f"{task.label} @ {context_label(context)}: {report.accuracy(task.label, context):.1%} "
                     f"of {len(indices)}")
     bar.close()
     return report
+
+
+def _check_resumable(saved: NeedleReport, run: NeedleReport, shard: tuple[int, int]) -> None:
+    """A ValueError unless `saved` holds cases of the evaluation `run` is (and of its shard)."""
+    for name in (*NeedleReport.SAME, "contexts"):
+        if getattr(saved, name) != getattr(run, name):
+            raise ValueError(f"the saved report is of another evaluation: its {name} is {getattr(saved, name)!r}, "
+                             f"this run's {getattr(run, name)!r}; give another --out, or leave out --resume to "
+                             "start again")
+    first, every = shard
+    stray = [o.index for o in saved.outcomes if o.index % every != first]
+    if stray:
+        raise ValueError(f"the saved report holds case {stray[0]}, which is not in --shard {first}/{every}; "
+                         "resume a shard with its own --out")
 
 
 def merge_needle_reports(reports: Sequence[NeedleReport]) -> NeedleReport:
@@ -525,12 +554,19 @@ def merge_needle_reports(reports: Sequence[NeedleReport]) -> NeedleReport:
                         first.trained_length, outcomes, first.engine, first.num_cases)
 
 
-def write_needle_report(report: NeedleReport, out: str | Path) -> list[Path]:
-    """needles.json, needles.md and needles.png under `out` (created); returns their paths."""
+def save_needle_json(report: NeedleReport, out: str | Path) -> Path:
+    """out/needles.json (out created), replaced whole: a run stopped while writing leaves the last one."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "needles.json", out / "needles.md", out / "needles.png"]
-    paths[0].write_text(json.dumps(report.to_json(), indent=1))
+    path, partial = out / "needles.json", out / "needles.json.partial"
+    partial.write_text(json.dumps(report.to_json(), indent=1))
+    os.replace(partial, path)
+    return path
+
+
+def write_needle_report(report: NeedleReport, out: str | Path) -> list[Path]:
+    """needles.json, needles.md and needles.png under `out` (created); returns their paths."""
+    paths = [save_needle_json(report, out), Path(out) / "needles.md", Path(out) / "needles.png"]
     paths[1].write_text(report.markdown())
     report.plot(paths[2])
     return paths
@@ -601,6 +637,10 @@ def add_eval_parser(subparsers: Any) -> None:
                    help="run only cases I, I + N, I + 2N, ... of each task and context (0 <= I < N), the same "
                         "cases the whole run has; join the shards' needles.json with `megactx eval "
                         "needles-merge` (default: every case)")
+    n.add_argument("--resume", action="store_true",
+                   help="continue the run whose needles.json is in --out (saved after every batch, so a run that "
+                        "was stopped loses at most its last batch): its cases are kept, the rest are run; it must "
+                        "be the same evaluation (model, seed, tasks, contexts, cases, shard, engine)")
     n.add_argument("--no-progress", action="store_true", help="no progress bar (it shows on a terminal only)")
     common(n, None)
     n.set_defaults(func=run_needles)
@@ -689,6 +729,8 @@ def run_needles(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.model} has no tokenizer.json; needle cases are made with the model's tokenizer")
         corpus = held_out_corpus(Corpus.from_directory(args.corpus) if args.corpus else None)
         generator = needle_generator(args.model, "held_out", corpus)
+        out = args.out or Path("runs") / "eval" / Path(args.model).name
+        saved = _saved_needles(out / "needles.json") if args.resume else None
         llm = LLM(args.model, device=args.device, max_model_len=max(contexts), max_num_seqs=args.batch_size,
                   max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype,
                   index_cache_dtype=args.index_cache_dtype, hf_overrides=args.hf_overrides,
@@ -696,25 +738,36 @@ def run_needles(args: argparse.Namespace) -> int:
         report = evaluate_needles(EngineAnswerer(llm), generator, tasks, contexts, args.cases, args.seed,
                                   str(args.model), args.batch_size, args.depth_buckets, args.threshold,
                                   args.trained_length, log=tqdm.write, engine=engine_description(llm), shard=shard,
-                                  progress=not args.no_progress)
+                                  progress=not args.no_progress, resume=saved,
+                                  on_batch=lambda so_far: save_needle_json(so_far, out))
     except (OSError, ValueError) as e:
         return _fail(str(e))
     print(report.markdown())
-    out = args.out or Path("runs") / "eval" / Path(args.model).name
     for path in write_needle_report(report, out):
         print(f"wrote {path}")
     return 0
 
 
+def _saved_needles(path: Path) -> NeedleReport | None:
+    """The report a stopped `eval needles` saved at `path` (None, said, when there is none)."""
+    if not path.is_file():
+        print(f"nothing to resume in {path.parent}: starting from the first case", file=sys.stderr)
+        return None
+    report = _read_needles(path)
+    print(f"resuming {path}: {len(report.outcomes)} cases done", file=sys.stderr)
+    return report
+
+
+def _read_needles(path: Path) -> NeedleReport:
+    try:
+        return NeedleReport.from_json(json.loads(path.read_text()))
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} is not a needles.json of `megactx eval needles` ({e!r})") from None
+
+
 def run_needles_merge(args: argparse.Namespace) -> int:
     try:
-        reports = []
-        for path in args.reports:
-            try:
-                reports.append(NeedleReport.from_json(json.loads(path.read_text())))
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"{path} is not a needles.json of `megactx eval needles` ({e!r})") from None
-        report = merge_needle_reports(reports)
+        report = merge_needle_reports([_read_needles(path) for path in args.reports])
     except (OSError, ValueError) as e:
         return _fail(str(e))
     print(report.markdown())
