@@ -512,13 +512,17 @@ def evaluate_needles(answer: Answerer, generator: NeedleGenerator, tasks: Sequen
     return report
 
 
+def _first_difference(a: NeedleReport, b: NeedleReport, names: Sequence[str]) -> str | None:
+    """The first of the fields `names` in which two reports differ (None: they agree in all)."""
+    return next((name for name in names if getattr(a, name) != getattr(b, name)), None)
+
+
 def _check_resumable(saved: NeedleReport, run: NeedleReport, shard: tuple[int, int]) -> None:
     """A ValueError unless `saved` holds cases of the evaluation `run` is (and of its shard)."""
-    for name in (*NeedleReport.SAME, "contexts"):
-        if getattr(saved, name) != getattr(run, name):
-            raise ValueError(f"the saved report is of another evaluation: its {name} is {getattr(saved, name)!r}, "
-                             f"this run's {getattr(run, name)!r}; give another --out, or leave out --resume to "
-                             "start again")
+    if name := _first_difference(saved, run, (*NeedleReport.SAME, "contexts")):
+        raise ValueError(f"the saved report is of another evaluation: its {name} is {getattr(saved, name)!r}, "
+                         f"this run's {getattr(run, name)!r}; give another --out, or leave out --resume to "
+                         "start again")
     first, every = shard
     stray = [o.index for o in saved.outcomes if o.index % every != first]
     if stray:
@@ -534,10 +538,9 @@ def merge_needle_reports(reports: Sequence[NeedleReport]) -> NeedleReport:
         raise ValueError("needles-merge needs at least one needles.json")
     first = reports[0]
     for other in reports[1:]:
-        for name in NeedleReport.SAME:
-            if getattr(other, name) != getattr(first, name):
-                raise ValueError(f"the reports differ in {name}: {getattr(first, name)!r} and "
-                                 f"{getattr(other, name)!r}; merge only runs of one evaluation")
+        if name := _first_difference(first, other, NeedleReport.SAME):
+            raise ValueError(f"the reports differ in {name}: {getattr(first, name)!r} and "
+                             f"{getattr(other, name)!r}; merge only runs of one evaluation")
     seen, outcomes = set(), []
     for report in reports:
         for o in report.outcomes:
