@@ -587,7 +587,8 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         lo, hi = _find(results, lower.name, gamma, batch), _find(results, upper.name, gamma, batch)
         if lo and hi and lo.mean_acceptance_length and hi.mean_acceptance_length:
             a, c = lo.mean_acceptance_length, hi.mean_acceptance_length
-            rows.append(_target(t, f"{c:.2f} vs {a:.2f}", ">=", None if random_weights else c >= a,
+            digits = next((d for d in range(2, 7) if f"{c:.{d}f}" != f"{a:.{d}f}"), 2)  # a verdict shows why
+            rows.append(_target(t, f"{c:.{digits}f} vs {a:.{digits}f}", ">=", None if random_weights else c >= a,
                                 "random weights" if random_weights else ""))
         else:
             rows.append(_target(t, "–", ">=", None, "not run"))

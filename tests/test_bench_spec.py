@@ -338,6 +338,13 @@ def test_targets_fail_on_a_falling_rung_or_too_little_speed_up():
     assert [t["passed"] for t in targets] == [False, False, True]
     md = render_markdown(_results((4.56, 4.40, 5.29), speed=1.5), targets)
     assert md.count("**FAIL**") == 2
+    # a rung a hair below the one under it fails with figures that show the difference
+    results = _results((4.56, 4.56, 5.29), speed=2.5)
+    for run in results["runs"]:
+        if (run["rung"], run["gamma"], run["batch"]) == (RUNGS[1].name, 7, 32):
+            run.update(num_drafts=10_000, num_accepted_tokens=35_599, mean_acceptance_length=4.5599)
+    targets = evaluate_targets(results)
+    assert targets[1]["passed"] is False and targets[1]["figure"] == "4.5599 vs 4.5600"
 
 
 def test_random_weights_and_cpu_runs_decide_no_target_but_show_the_figures():

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from megactx.analysis.flops import context_label
 from megactx.cli import main
 from megactx.train.corpus import Corpus
 from megactx.train.data import needle_generator, prepare_data
@@ -191,6 +192,17 @@ def test_needle_accuracy_is_counted_per_context_and_depth(generator, kind):
         again = evaluate_needles(ANSWERERS[kind], generator, TASKS, [CONTEXT, 384], NUM_CASES, seed=2, batch_size=2,
                                  depth_buckets=2, progress=True, log=said.append)
         assert again == report and len(said) == len(TASKS) * 2 and said[0].endswith(f"100.0% of {NUM_CASES}")
+
+
+@pytest.mark.parametrize("kind, trained, verdict", [("oracle", CONTEXT, "passes >= 95%"),
+                                                     ("wrong", CONTEXT, "FAILS >= 95%"),
+                                                     ("oracle", 256, "no context up to it measured")])
+def test_trained_length_verdict_counts_only_contexts_up_to_it(generator, kind, trained, verdict):
+    # contexts 384 and 512: a trained length below both has no verdict (not a failure)
+    report = evaluate_needles(ANSWERERS[kind], generator, TASKS[:1], [CONTEXT, 384], 2, seed=2, batch_size=2,
+                              trained_length=trained)
+    assert report.summary()["trained_length"]["passes"] == {"passes": True, "FAILS": False}.get(verdict.split()[0])
+    assert f"Trained length {context_label(trained)}: {verdict}" in report.markdown()
 
 
 def test_shards_run_the_whole_runs_cases_and_merge_back_into_it(generator):

@@ -361,8 +361,8 @@ class NeedleReport:
         trained = None
         if self.trained_length is not None:
             within = [c for c in self.contexts if c <= self.trained_length]
-            trained = {"length": self.trained_length,
-                       "passes": bool(within) and all(self.accuracy(None, c) >= self.threshold for c in within)}
+            trained = {"length": self.trained_length,  # passes: None when no context up to it was measured
+                       "passes": all(self.accuracy(None, c) >= self.threshold for c in within) if within else None}
         return {"model": self.model, "seed": self.seed, "contexts": self.contexts, "tasks": self.tasks,
                 "depth_buckets": self.depth_buckets, "threshold": self.threshold, "trained_length": trained,
                 "engine": self.engine, "num_cases": self.num_cases, "results": rows}
@@ -386,15 +386,16 @@ class NeedleReport:
             lines.append(f"| {name} | {' | '.join(cells)} | {context_label(holds) if holds else 'none'} |")
         if summary["trained_length"]:
             t = summary["trained_length"]
-            verdict = "passes" if t["passes"] else "FAILS"
             holds = summary["results"]["all"]["holds_up_to"]
-            lines += ["", f"Trained length {context_label(t['length'])}: {verdict} >= {self.threshold:.0%} "
-                          f"at every context up to it; all tasks hold up to "
+            verdict = ("no context up to it measured" if t["passes"] is None else
+                       f"{'passes' if t['passes'] else 'FAILS'} >= {self.threshold:.0%} at every context up to it")
+            lines += ["", f"Trained length {context_label(t['length'])}: {verdict}; all tasks hold up to "
                           f"{context_label(holds) if holds else 'none'} of the contexts measured."]
         if missing := self.missing():
             some = ", ".join(f"{task} @ {context_label(c)}: {self.num_cases - n} of {self.num_cases}"
                              for (task, c), n in missing.items())
-            lines += ["", f"Partial: cases run {some} (a shard; `megactx eval needles-merge` joins the others)."]
+            lines += ["", f"Partial: cases run {some} (a shard, which `megactx eval needles-merge` joins to the "
+                          f"others, or a stopped run, which `megactx eval needles --resume` continues)."]
         lines += ["", f"Accuracy by depth of the asked needle (all tasks; rows: depth buckets of "
                       f"1/{self.depth_buckets})", "", f"| depth | {heads} |", "|---|" + "---:|" * len(self.contexts)]
         for b in range(self.depth_buckets):
