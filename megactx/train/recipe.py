@@ -823,9 +823,12 @@ def tiny_recipe() -> Recipe:
 
     Tokens: dense 3000 × 16 × 2048 ≈ 98M (a quarter code rows, a quarter copy rows: ~9 passes over
     the corpus), warm-up 3.3M, sparse 300 × 8 × 4096 ≈ 10M, extend 80 × 2 × 64K ≈ 10.5M, indexers
-    50 × 2 × 64K ≈ 6.6M, MTP 100 × 16 × 2048 + 150 × 8 × 4096 ≈ 8M per variant (the backbone
-    frozen). max_position_embeddings is 1M so that the needle evaluation may run past the trained
-    length. Scale the steps with `megactx train --steps-scale`; the 8-layer model shipped before is
+    50 × 2 × 64K ≈ 6.6M, MTP 100 × 16 × 2048 + 450 × 8 × 4096 ≈ 18M per variant (the backbone
+    frozen; at 150 steps, as first shipped, the TV layer's acceptance was still rising: 450 took
+    the 16-layer model's expected accepted drafts from 0.89 to 1.2 in training).
+    max_position_embeddings is 1M so that the needle evaluation may run past the trained length
+    (YaRN covers 32 × 4096 = 128K of it; 256K needles: 0%). Scale the steps with
+    `megactx train --steps-scale`; the 8-layer model shipped before is
     `--hf-overrides '{"num_hidden_layers": 8, "n_routed_experts": 8}' --pattern FSSSSSSF`."""
     model = ModelConfig.from_pretrained("tiny").replace(num_hidden_layers=16, n_routed_experts=4, index_topk=128,
                                                         index_topk_pattern="FSSSFSSSFSSSSSSF",
@@ -847,7 +850,7 @@ def tiny_recipe() -> Recipe:
               Stage("indexers", train(50, 65536, 2, 1, 5e-4, 10), needle_fraction=0.5, needle_len=(65536, 4096),
                     copy_fraction=0.5, kl_candidates=512, indexer_needle_weight=1.0),
               Stage("mtp_warmup", train(100, 2048, 16, 16, 1e-3, 10)),
-              Stage("mtp", train(150, 4096, 8, 8, 1e-3, 15))]
+              Stage("mtp", train(450, 4096, 8, 8, 1e-3, 15))]
     return Recipe("tiny", model, stages, data="code", chunk_bytes=1 << 30, yarn_headroom=2.0)
 
 
