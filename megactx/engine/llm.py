@@ -141,8 +141,8 @@ class LLM:
 
     num_speculative_tokens: γ, tokens the checkpoint's MTP layer drafts a step (0: no speculative
     decoding; `megactx serve` drafts 7 by default). It stays 0 here: on the shipped megactx-tiny on
-    an H200, speculation gains ~1.1x at batch 1 (γ = 1-3) and loses at batch 32
-    (benchmarks/results/spec-nvidia-h200.md).
+    an H200, speculation does not pay (0.9-1.0x at batch 1, γ = 1-3; 0.6-0.8x at batch 32;
+    benchmarks/results/spec-nvidia-h200.md).
     mtp_mode: "kvshare" (IndexShare + KVShare: draft steps >= 2 reuse step 1's top-k and KV),
     "baseline" (every draft step indexes and writes its own KV), "auto" (the checkpoint's
     index_share_for_mtp_iteration). draft_acceptance: "rejection" (drafts sampled from the MTP

@@ -1,0 +1,315 @@
+"""`megactx bench profile`: where the time of the engine's steps goes, by torch.profiler.
+
+One workload, run by the engine once untimed (compiles, CUDA graph captures), once timed, once
+under torch.profiler:
+
+    decode   B prompts of P tokens of held-out code (random ids for a checkpoint without a
+             tokenizer), M tokens generated each; one engine per γ of --num-speculative-tokens
+             (0 = no speculation), so that a speculative step is seen beside a plain one
+    prefill  --prefill L: one prompt of L random token ids, 1 token generated (the long-context
+             prefill of a needle case: the indexers score every earlier key)
+
+Per engine step (the engine's step log counts them): the wall time of the timed run; the
+device's busy time, kernels summed (CUDA graph replays included); the kernels taking it, most
+first; the CUDA runtime and driver calls the host made (kernel and graph launches, copies,
+synchronisations); and the host's own work, the PyTorch ops by self CPU time. A profiled run is
+slower than the timed one (the profiler's host time), so walls come from the timed run and the
+breakdown from the profiled one. On a CPU only the host side exists.
+
+    megactx bench profile --num-speculative-tokens 0,3             # batch-1 decode, shipped model
+    megactx bench profile --prefill 262144 --max-num-batched-tokens 65536
+    megactx bench profile --batch 32 --trace                      # + a Chrome/Perfetto trace per engine
+
+Results: benchmarks/results/profile-<device>.json, .md, .png (a bar per engine: wall and device
+time a step, the top kernels stacked). Figures are of this run; they are not targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import (
+    Progress,
+    fmt_num,
+    int_list,
+    machine_info,
+    md_table,
+    rerender_from_json,
+    save_figure,
+    write_suite_reports,
+)
+
+HELP = "where engine steps spend their time (torch.profiler): kernels, launches, host ops"
+RESULTS_DIR = Path(__file__).parent / "results"
+RUNTIME_CALL = re.compile(r"^cu(da)?[A-Z]\w*$")  # cudaLaunchKernel, cuLaunchKernel, cudaGraphLaunch, ...
+
+
+@dataclass
+class Workload:
+    batch: int = 1
+    prompt_len: int = 256  # P (decode)
+    output_len: int = 64  # M (decode)
+    prefill: int | None = None  # L: one prompt of L tokens instead, 1 generated
+    temperature: float = 1.0
+    seed: int = 0
+
+    def describe(self) -> str:
+        if self.prefill:
+            return f"prefill of one prompt of {self.prefill:,} random token ids, 1 token generated"
+        return (f"decode: {self.batch} prompt(s) of {self.prompt_len} tokens, {self.output_len} generated each at "
+                f"temperature {self.temperature:g}")
+
+
+def prompts_for(model_dir: Path, vocab_size: int, w: Workload) -> tuple[list[list[int]], str]:
+    """(prompts, what they are): held-out code for decode when the checkpoint has a tokenizer,
+    random ids otherwise and for prefill (its cost does not depend on the text)."""
+    from benchmarks.engine import random_prompts
+    from benchmarks.spec import held_out_prompts, stdlib_held_out
+
+    if w.prefill:
+        return random_prompts(1, w.prefill, vocab_size, w.seed), "random token ids"
+    if (model_dir / "tokenizer.json").is_file():
+        split, version = stdlib_held_out(model_dir, vocab_size)
+        return held_out_prompts(split, w.batch, w.prompt_len, w.seed), f"held-out code of the Python {version} stdlib"
+    return random_prompts(w.batch, w.prompt_len, vocab_size, w.seed), "random token ids"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _steps(log: Path, skip: int) -> list[dict]:
+    from megactx.engine.steplog import read
+
+    return read(log)[skip:] if log.is_file() else []
+
+
+def breakdown(events, steps: int, top: int) -> dict[str, Any]:
+    """Per-step figures of a profiler's events: kernels (device time, most first), runtime/driver
+    calls, and PyTorch ops by self CPU time; each table cut to `top` rows plus an 'other' row."""
+    kernels: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])  # name -> [calls, us]
+    calls: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    ops: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if e.device_type.name == "CUDA":
+            row = kernels[e.name]
+            row[0] += 1
+            row[1] += e.time_range.elapsed_us()
+        elif RUNTIME_CALL.match(e.name):
+            row = calls[e.name]
+            row[0] += 1
+            row[1] += e.time_range.elapsed_us()
+        else:
+            row = ops[e.name]
+            row[0] += 1
+            row[1] += e.self_cpu_time_total
+
+    def table(rows: dict[str, list[float]]) -> list[dict[str, Any]]:
+        ranked = sorted(rows.items(), key=lambda kv: -kv[1][1])
+        out = [{"name": name, "calls_per_step": n / steps, "us_per_step": us / steps} for name, (n, us) in ranked[:top]]
+        rest = ranked[top:]
+        if rest:
+            out.append({"name": f"other ({len(rest)})", "calls_per_step": sum(n for _, (n, _) in rest) / steps,
+                        "us_per_step": sum(us for _, (_, us) in rest) / steps})
+        return out
+
+    return {"device_us_per_step": sum(us for _, us in kernels.values()) / steps,
+            "kernels_per_step": sum(n for n, _ in kernels.values()) / steps,
+            "kernels": table(kernels), "runtime_calls": table(calls), "host_ops": table(ops)}
+
+
+def profile_engine(llm, prompts: list[list[int]], params: list, device: torch.device, log: Path, top: int,
+                   trace: Path | None = None) -> dict[str, Any]:
+    """Warm-up, timed and profiled runs of one engine on the same prompts; figures per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    llm.generate(prompts, params, use_tqdm=False)  # compiles and captures what the runs meet
+    llm.step_log.flush()
+    seen = len(_steps(log, 0))
+    _sync(device)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    _sync(device)
+    wall = time.perf_counter() - start
+    llm.step_log.flush()
+    timed = _steps(log, seen)
+    seen += len(timed)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+        _sync(device)
+    llm.step_log.flush()
+    profiled = _steps(log, seen)
+    if trace is not None:
+        prof.export_chrome_trace(str(trace))
+    steps = max(len(profiled), 1)
+    stats = [o.spec_decode for o in outs if o.spec_decode is not None]
+    accepted = sum(s.num_accepted_tokens for s in stats)
+    verifies = sum(s.num_drafts for s in stats)
+    return {"steps": len(timed), "wall_s": wall, "wall_ms_per_step": 1e3 * wall / max(len(timed), 1),
+            "step_ms_median": statistics.median(r["ms"] for r in timed) if timed else None,
+            "output_tokens": sum(len(o.token_ids) for o in outs),
+            "mean_acceptance_length": 1 + accepted / verifies if verifies else None,
+            "profiled_steps": len(profiled), **breakdown(prof.events(), steps, top)}
+
+
+def run_profiles(model_dir: Path, w: Workload, gammas: list[int], device: str, top: int, trace_dir: Path | None,
+                 engine_args: dict[str, Any], progress: Progress) -> dict[str, Any]:
+    from megactx import LLM, SamplingParams
+    from megactx.config import ModelConfig
+
+    cfg = ModelConfig.from_pretrained(model_dir, engine_args.get("hf_overrides"))
+    prompts, source = prompts_for(model_dir, cfg.vocab_size, w)
+    new_tokens = 1 if w.prefill else w.output_len
+    params = [SamplingParams(temperature=w.temperature, max_tokens=new_tokens, ignore_eos=True, seed=w.seed + i)
+              for i in range(len(prompts))]
+    shown = os.path.relpath(model_dir) if Path(model_dir).resolve().is_relative_to(Path.cwd()) else str(model_dir)
+    results: dict[str, Any] = {"schema": 1, "machine": machine_info(device), "model": shown,
+                               "workload": w.describe(), "prompts": source, "top": top, "engines": []}
+    dev = torch.device(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        for gamma in gammas:
+            log = Path(tmp) / f"steps-{gamma}.jsonl"
+            progress.log(f"engine γ = {gamma}: {w.describe()}")
+            llm = LLM(model_dir, device=device, max_model_len=max(map(len, prompts)) + new_tokens + gamma + 1,
+                      max_num_seqs=max(len(prompts), 1), num_speculative_tokens=gamma, seed=w.seed,
+                      warm_up=False, step_log=log, **engine_args)
+            trace = trace_dir / f"profile-trace-g{gamma}.json" if trace_dir else None
+            figures = profile_engine(llm, prompts, params, dev, log, top, trace)
+            results["engines"].append({"gamma": gamma, **figures} | ({"trace": str(trace)} if trace else {}))
+            progress.log(f"  {figures['steps']} steps, {fmt_num(figures['wall_ms_per_step'])} ms a step, device "
+                         f"{fmt_num(figures['device_us_per_step'] / 1e3)} ms a step")
+            del llm
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    return results
+
+
+# ------------------------------------------------------------------------------ reports
+def _table(rows: list[dict[str, Any]], what: str) -> str:
+    if not rows:
+        return f"(no {what} recorded)\n"
+    return md_table([what, "calls a step", "µs a step"],
+                    [[f"`{r['name'][:90]}`", fmt_num(r["calls_per_step"]), fmt_num(r["us_per_step"])] for r in rows])
+
+
+def render_markdown(results: dict[str, Any]) -> str:
+    m = results["machine"]
+    lines = [f"# megactx engine profile: {m.get('gpu') or 'CPU'}", "",
+             f"{m.get('date', '')}; torch {m.get('torch')}, triton {m.get('triton')}. Model `{results['model']}`; "
+             f"{results['workload']} ({results['prompts']}). Per engine step: walls of a timed run, the rest from "
+             "a profiled run of the same prompts (kernel times summed, CUDA graph replays included).", ""]
+    summary = []
+    for e in results["engines"]:
+        device_ms = e["device_us_per_step"] / 1e3
+        summary.append([e["gamma"], e["steps"], fmt_num(e["wall_ms_per_step"]), fmt_num(device_ms),
+                        f"{device_ms / e['wall_ms_per_step']:.0%}" if e["wall_ms_per_step"] else "–",
+                        fmt_num(e["kernels_per_step"]), fmt_num(e["mean_acceptance_length"]),
+                        fmt_num(e["output_tokens"] / e["wall_s"])])
+    lines += [md_table(["γ", "steps", "wall ms a step", "device ms a step", "device busy", "kernels a step",
+                        "acceptance length", "output tokens/s"], summary), ""]
+    for e in results["engines"]:
+        lines += [f"## γ = {e['gamma']}", "", "Kernels, by device time:", "", _table(e["kernels"], "kernel"),
+                  "CUDA runtime / driver calls:", "", _table(e["runtime_calls"], "call"),
+                  "Host: PyTorch ops by self CPU time:", "", _table(e["host_ops"], "op")]
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    engines = results["engines"]
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.9 * len(engines)))
+    for i, e in enumerate(engines):
+        ax.barh(i + 0.2, e["wall_ms_per_step"], height=0.35, color="lightgray", label="wall" if i == 0 else None)
+        left = 0.0
+        for j, k in enumerate(e["kernels"][:6]):
+            ms = k["us_per_step"] / 1e3
+            ax.barh(i - 0.2, ms, left=left, height=0.35, color=plt.cm.tab10(j % 10))
+            if ms > 0.04 * max(e["wall_ms_per_step"], 1e-9):
+                ax.text(left + ms / 2, i - 0.2, k["name"][:18], ha="center", va="center", fontsize=6)
+            left += ms
+    ax.set_yticks(range(len(engines)), [f"γ = {e['gamma']}" for e in engines])
+    ax.set(xlabel="ms a step (gray: wall; colours: kernels, most first)", title=results["workload"][:90])
+    ax.legend(fontsize=8)
+    save_figure(fig, path)
+    return True
+
+
+def write_reports(results: dict[str, Any], out_dir: Path) -> list[Path]:
+    return write_suite_reports("profile", results, Path(out_dir), render_markdown, plot)
+
+
+# ------------------------------------------------------------------------------ CLI
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from megactx.cli import add_hf_overrides_argument
+
+    p.add_argument("--model", default=None, help="checkpoint directory (default: models/megactx-tiny)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when torch sees a GPU")
+    p.add_argument("--num-speculative-tokens", type=int_list, default=[0], metavar="G[,G...]",
+                   help="γ of each engine profiled, e.g. 0,3 (default 0: no speculation)")
+    p.add_argument("--batch", type=int, default=1, help="prompts decoded at once (default 1)")
+    p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens a request (default 256)")
+    p.add_argument("--output-len", type=int, default=64, help="tokens generated a request (default 64)")
+    p.add_argument("--prefill", type=int, default=None, metavar="L",
+                   help="profile the prefill of one prompt of L tokens instead of decoding")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0; 0 = greedy)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="the engine's chunk of prefill tokens")
+    p.add_argument("--top", type=int, default=15, help="rows of each table (default 15)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trace", action="store_true", help="also write a Chrome/Perfetto trace per engine into --out")
+    p.add_argument("--out", type=Path, default=None, help=f"directory for the reports (default: {RESULTS_DIR})")
+    p.add_argument("--from-json", type=Path, default=None, metavar="FILE",
+                   help="do not measure: write the .md and .png again from a results JSON")
+    add_hf_overrides_argument(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    prog = "megactx bench profile"
+    if args.from_json is not None:
+        return rerender_from_json(prog, args.from_json, args.out, write_reports)
+    from megactx.generate import resolve_model
+
+    progress = Progress()
+    try:
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device cuda, but torch {torch.__version__} sees no CUDA GPU; use --device cpu")
+        if not args.num_speculative_tokens or min(args.num_speculative_tokens) < 0:
+            raise ValueError("--num-speculative-tokens takes γ >= 0, e.g. 0,3")
+        if args.prefill is not None and (args.prefill < 1 or any(args.num_speculative_tokens)):
+            raise ValueError("--prefill L takes L >= 1 and profiles one engine without speculation (γ = 0)")
+        for name in ("batch", "prompt_len", "output_len", "top", "max_num_batched_tokens"):
+            if getattr(args, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        w = Workload(args.batch, args.prompt_len, args.output_len, args.prefill, args.temperature, args.seed)
+        path, _ = resolve_model(args.model, progress.log)
+        out = args.out or RESULTS_DIR
+        out.mkdir(parents=True, exist_ok=True)
+        engine_args = {"max_num_batched_tokens": args.max_num_batched_tokens, "hf_overrides": args.hf_overrides}
+        results = run_profiles(path, w, args.num_speculative_tokens, device, args.top, out if args.trace else None,
+                               engine_args, progress)
+    except (ValueError, OSError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    for written in write_reports(results, out):
+        print(written)
+    return 0

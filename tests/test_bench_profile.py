@@ -1,0 +1,102 @@
+"""`megactx bench profile`: the per-step breakdown of profiler events (kernels, runtime calls, host
+ops, the rows past --top folded into one), and a CPU run of a random MTP checkpoint without and
+with speculation: step counts that the engine's bookkeeping fixes, host ops found, reports written
+and rendered again from their JSON, bad arguments refused."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+
+from benchmarks.profile import breakdown
+from megactx.cli import main
+from megactx.testing import make_random_checkpoint
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@dataclass
+class FakeEvent:
+    name: str
+    device: str  # "CPU" or "CUDA"
+    us: float  # span (kernels, runtime calls) or self CPU time (ops)
+
+    @property
+    def device_type(self):
+        return SimpleNamespace(name=self.device)
+
+    @property
+    def time_range(self):
+        return SimpleNamespace(elapsed_us=lambda: self.us)
+
+    @property
+    def self_cpu_time_total(self):
+        return self.us
+
+
+def test_breakdown_sorts_kernels_calls_and_ops_per_step_and_folds_the_rest():
+    events = ([FakeEvent("gemm", "CUDA", 10.0)] * 4 + [FakeEvent("topk", "CUDA", 30.0)] * 2
+              + [FakeEvent("norm", "CUDA", 1.0)] * 6 + [FakeEvent("cudaLaunchKernel", "CPU", 2.0)] * 8
+              + [FakeEvent("cuLaunchKernel", "CPU", 3.0)] * 2 + [FakeEvent("cudaGraphLaunch", "CPU", 5.0)] * 2
+              + [FakeEvent("aten::mm", "CPU", 7.0)] * 2 + [FakeEvent("aten::cudaish", "CPU", 1.0)])
+    b = breakdown(events, steps=2, top=2)
+    assert b["device_us_per_step"] == pytest.approx((40 + 60 + 6) / 2)
+    assert b["kernels_per_step"] == pytest.approx(12 / 2)
+    assert [r["name"] for r in b["kernels"]] == ["topk", "gemm", "other (1)"]  # by device time, not calls
+    assert b["kernels"][0] == {"name": "topk", "calls_per_step": 1.0, "us_per_step": 30.0}
+    assert b["kernels"][2]["calls_per_step"] == 3.0 and b["kernels"][2]["us_per_step"] == 3.0
+    # runtime and driver calls (cudaX, cuX) apart from the ops; "aten::..." never is one
+    assert {r["name"] for r in b["runtime_calls"]} >= {"cudaLaunchKernel", "cudaGraphLaunch"}
+    assert sum(r["calls_per_step"] for r in b["runtime_calls"]) == pytest.approx(12 / 2)
+    assert [r["name"] for r in b["host_ops"]] == ["aten::mm", "aten::cudaish"]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_random_checkpoint(tmp_path_factory.mktemp("ckpt"), preset="tiny", seed=3, vocab_size=512,
+                                  num_hidden_layers=2, first_k_dense_replace=5, index_topk=16)
+
+
+def _args(ckpt, out, *extra):
+    return ["bench", "profile", "--device", "cpu", "--model", str(ckpt), "--prompt-len", "12", "--output-len", "9",
+            "--top", "5", "--out", str(out), *extra]
+
+
+def test_profile_runs_the_engines_and_writes_the_reports(ckpt, tmp_path, capsys):
+    assert main(_args(ckpt, tmp_path, "--num-speculative-tokens", "0,2", "--temperature", "0")) == 0
+    results = json.loads((tmp_path / "profile-cpu.json").read_text())
+    plain, spec = results["engines"]
+    # no speculation: the prefill step emits the first token, one decode step each after it
+    assert (plain["gamma"], plain["steps"], plain["output_tokens"]) == (0, 9, 9)
+    assert plain["mean_acceptance_length"] is None
+    # γ = 2: a verify emits 1 to 3 tokens, so 8 tokens after the prefill's take 3 to 8 steps
+    assert spec["gamma"] == 2 and spec["output_tokens"] == 9 and 1 + 3 <= spec["steps"] <= 1 + 8
+    assert 1.0 <= spec["mean_acceptance_length"] <= 3.0
+    for e in results["engines"]:
+        assert e["profiled_steps"] == e["steps"]  # the same prompts and seeds: the same steps
+        assert e["kernels"] == [] and e["device_us_per_step"] == 0  # a CPU has no device side
+        assert len(e["host_ops"]) == 6 and e["host_ops"][-1]["name"].startswith("other")
+        assert any(r["name"] == "aten::mm" for r in e["host_ops"])
+    md = (tmp_path / "profile-cpu.md").read_text()
+    assert "## γ = 2" in md and "`aten::mm`" in md and (tmp_path / "profile-cpu.png").is_file()
+    again = tmp_path / "again"
+    assert main(["bench", "profile", "--from-json", str(tmp_path / "profile-cpu.json"), "--out", str(again)]) == 0
+    assert (again / "profile-cpu.md").read_text() == md
+
+
+def test_profile_of_a_prefill(ckpt, tmp_path):
+    assert main(_args(ckpt, tmp_path, "--prefill", "40", "--max-num-batched-tokens", "16")) == 0
+    (engine,) = json.loads((tmp_path / "profile-cpu.json").read_text())["engines"]
+    assert engine["steps"] == 3 and engine["output_tokens"] == 1  # 40 prompt tokens in chunks of 16
+
+
+@pytest.mark.parametrize("extra, says", [(("--num-speculative-tokens", "-1"), "γ >= 0"),
+                                         (("--prefill", "64", "--num-speculative-tokens", "2"), "without speculation"),
+                                         (("--batch", "0"), "--batch must be at least 1")])
+def test_profile_refuses_bad_arguments(ckpt, tmp_path, capsys, extra, says):
+    assert main(_args(ckpt, tmp_path, *extra)) == 2
+    assert says in capsys.readouterr().err
+    assert not (tmp_path / "profile-cpu.json").exists()
