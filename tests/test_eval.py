@@ -205,6 +205,43 @@ def test_trained_length_verdict_counts_only_contexts_up_to_it(generator, kind, t
     assert f"Trained length {context_label(trained)}: {verdict}" in report.markdown()
 
 
+def test_cases_sharing_a_haystack_run_its_first_case_alone_then_the_others(generator):
+    from megactx.train.evaluate import NeedleReport
+
+    seen = []
+
+    def recorder(cases):
+        seen.append([round(_depth_of(c) * 6) for c in cases])  # 7 cases: depth i/6 is case i
+        return [c.answer for c in cases]
+
+    run = dict(seed=2, batch_size=2, per_haystack=3)
+    report = evaluate_needles(recorder, generator, TASKS[:1], [CONTEXT], 7, **run)
+    # haystacks {0, 3, 6}, {1, 4}, {2, 5}: the first case's prefill serves the rest from the prefix cache
+    assert seen == [[0], [3, 6], [1], [4], [2], [5]]
+    assert report.accuracy() == 1.0 and sorted(o.index for o in report.outcomes) == list(range(7))
+    assert "3 cases a haystack" in report.markdown()
+    assert NeedleReport.from_json(json.loads(json.dumps(report.to_json()))).per_haystack == 3
+    with pytest.raises(ValueError, match="per_haystack"):  # a run of another layout is not resumed
+        evaluate_needles(recorder, generator, TASKS[:1], [CONTEXT], 7, seed=2, resume=report)
+    with pytest.raises(ValueError, match="single task"):
+        evaluate_needles(recorder, generator, TASKS[1:], [CONTEXT], 7, **run)
+
+
+def test_the_engine_prefills_a_shared_haystack_once(checkpoint, generator):
+    from megactx import LLM, SamplingParams
+    from megactx.kernels.reference import BLOCK_SIZE
+
+    cases = generator.shared_haystack_cases(STANDARD_TASKS["single"], 400, [0.2, 0.5, 0.9], seed=1)
+    first = cases[0].needles[0]
+    body = first.position - first.offset + cases[0].haystack_len + sum(n.length for n in cases[0].needles)
+    llm = LLM(checkpoint, device="cpu", max_model_len=512, max_num_seqs=2)
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    (lead,) = llm.generate([cases[0].input_ids], params, use_tqdm=False)
+    rest = llm.generate([c.input_ids for c in cases[1:]], [params] * 2, use_tqdm=False)
+    assert lead.num_cached_tokens == 0
+    assert [o.num_cached_tokens for o in rest] == [body // BLOCK_SIZE * BLOCK_SIZE] * 2
+
+
 def test_shards_run_the_whole_runs_cases_and_merge_back_into_it(generator):
     from megactx.train.evaluate import NeedleReport, merge_needle_reports, parse_shard
 
@@ -304,9 +341,10 @@ def test_eval_needles_command_runs_the_engine_and_writes_reports(checkpoint, dat
     code = main(["eval", "needles", "--model", str(checkpoint), "--contexts", "256", "--cases", "2", "--seed", "1",
                  "--tasks", "single", "--corpus", str(data.directory / "corpus"), "--out", str(out),
                  "--device", "cpu", "--trained-length", "256", "--depth-buckets", "2", "--index-cache-dtype", "fp8",
-                 "--hf-overrides", '{"rope_parameters": {"rope_theta": 20000}}'])
+                 "--hf-overrides", '{"rope_parameters": {"rope_theta": 20000}}', "--cases-per-haystack", "2"])
     assert code == 0, capsys.readouterr().err
     report = json.loads((out / "needles.json").read_text())
+    assert report["per_haystack"] == 2  # both cases in one haystack
     # the figure says what computed it: FP8 indexer keys change which keys a query selects, and a
     # config override (here the rope base) changes the model
     assert report["engine"] == ("PyTorch twins of the kernels, MLA cache float32, indexer cache FP8, "

@@ -415,6 +415,48 @@ def test_needle_cases_are_deterministic_and_spread_over_depths(data):
     assert len({c.answer for c in cases}) == len(cases)
 
 
+def test_cases_of_a_shared_haystack_differ_only_in_their_question(data):
+    gen, tok = data.needles(), data.tokenizer
+    task, depths = STANDARD_TASKS["single"], [0.0, 0.3, 0.6, 1.0]
+    cases = gen.shared_haystack_cases(task, 700, depths, seed="h")
+    assert max(len(c.input_ids) for c in cases) == 700 and len({c.haystack_len for c in cases}) == 1
+    first = cases[0].needles[0]  # in haystack order: its position less its offset is the prefix
+    body = first.position - first.offset + cases[0].haystack_len + sum(n.length for n in cases[0].needles)
+    shared = cases[0].input_ids[:body]
+    for case, depth in zip(cases, depths):
+        assert case.input_ids[:len(shared)] == shared  # one prefill serves them all
+        text = tok.decode(case.input_ids, skip_special_tokens=False)
+        assert len(_needle_lines(text)) == len(depths) == len(case.needles)  # every case's needle, no other
+        (asked,) = [n for n in case.needles if n.role == "asked"]
+        assert asked.depth == depth and asked.name in case.question and _resolve(text, asked.name) == case.answer
+        assert asked.offset == pytest.approx(depth * case.haystack_len, abs=80)  # the nearest line boundary
+        assert text.endswith(f'{asked.name} = "')  # the lead of its own needle
+    assert len({c.answer for c in cases}) == len({n.name for n in cases[0].needles}) == len(depths)
+    assert all(c.input_ids[body:] != cases[0].input_ids[body:] for c in cases[1:])  # each its own question
+    with pytest.raises(ValueError, match="single task"):
+        gen.shared_haystack_cases(STANDARD_TASKS["multikey"], 700, depths, seed=0)
+    with pytest.raises(ValueError, match="depths"):
+        gen.shared_haystack_cases(task, 700, [0.5, 1.5], seed=0)
+
+
+def test_cases_per_haystack_spread_each_haystack_over_depths_and_shards_make_the_same_cases(data):
+    from megactx.train.needles import haystack_groups
+
+    gen, task = data.needles(), STANDARD_TASKS["single"]
+    cases = list(gen.cases(task, 400, num_cases=7, seed=3, per_haystack=3))  # 3 haystacks: cases {0,3,6} {1,4} {2,5}
+    assert [next(n.depth for n in c.needles if n.role == "asked") for c in cases] == pytest.approx(
+        np.linspace(0, 1, 7).tolist())
+    assert [len(c.needles) for c in cases] == [3, 2, 2, 3, 2, 2, 3]
+    assert cases[0].input_ids[:300] == cases[3].input_ids[:300] == cases[6].input_ids[:300]
+    assert cases[0].input_ids[:300] != cases[1].input_ids[:300]
+    assert haystack_groups(range(7), 7, 3) == [[0, 3, 6], [1, 4], [2, 5]]
+    assert haystack_groups([6, 5, 4], 7, 3) == [[6], [5], [4]] and haystack_groups([2, 0], 7, 1) == [[2], [0]]
+    # any subset, in any order, gets the cases of the whole run
+    some = list(gen.cases(task, 400, num_cases=7, seed=3, indices=[6, 1, 3], per_haystack=3))
+    assert [c.input_ids for c in some] == [cases[6].input_ids, cases[1].input_ids, cases[3].input_ids]
+    assert [c.input_ids for c in gen.cases(task, 400, 7, seed=3)] != [c.input_ids for c in cases]
+
+
 def test_needle_task_rejects_impossible_settings(data):
     with pytest.raises(ValueError, match="kind"):
         NeedleTask("haystack")

@@ -30,6 +30,7 @@ with the same command and --resume, losing at most the batch it was in.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -46,7 +47,7 @@ import torch
 from tqdm import tqdm
 
 from megactx.analysis.flops import context_label, parse_context
-from megactx.train.needles import STANDARD_TASKS, NeedleCase, NeedleGenerator, NeedleTask
+from megactx.train.needles import STANDARD_TASKS, NeedleCase, NeedleGenerator, NeedleTask, haystack_groups
 
 PROG = "megactx eval"
 CONTEXT_LADDER = (1 << 12, 1 << 14, 1 << 16, 1 << 17, 1 << 18, 1 << 19, 1 << 20)  # 4K, 16K, 64K, 128K ... 1M
@@ -237,6 +238,24 @@ class Answerer(Protocol):
     def __call__(self, cases: Sequence[NeedleCase]) -> list[str]: ...
 
 
+def _batches(generator: NeedleGenerator, task: NeedleTask, context: int, num_cases: int, seed: int,
+             todo: list[int], batch_size: int, per_haystack: int) -> Iterator[list[tuple[int, NeedleCase]]]:
+    """(index, case) batches of the `todo` cases: batch_size at a time, or, when cases share
+    haystacks, a haystack's first case alone and then its others batch_size at a time."""
+    groups = haystack_groups(todo, num_cases, per_haystack)
+    order = [i for group in groups for i in group]
+    cases = zip(order, needle_cases(generator, task, context, num_cases, seed, order, per_haystack))
+    if per_haystack == 1:
+        while batch := list(itertools.islice(cases, batch_size)):
+            yield batch
+        return
+    for group in groups:
+        members = list(itertools.islice(cases, len(group)))
+        yield members[:1]  # its prefill leaves the haystack in the prefix cache for the others
+        for start in range(1, len(members), batch_size):
+            yield members[start:start + batch_size]
+
+
 class EngineAnswerer:
     """Greedy completions of the cases' token-id prompts with a `megactx.LLM`: at most the answer's
     tokens + ANSWER_SLACK, stopping at the answer's final `<|end|>`."""
@@ -293,9 +312,11 @@ class NeedleReport:
     outcomes: list[NeedleOutcome] = field(default_factory=list)
     engine: str = ""  # how the answers were computed (backend, cache formats): a figure depends on it
     num_cases: int = 0  # cases asked for a task and context (a shard holds some of them; 0: not recorded)
+    per_haystack: int = 1  # cases sharing one haystack (NeedleGenerator.cases)
 
     # what the reports of one evaluation share, so that their outcomes may be merged
-    SAME = ("model", "seed", "tasks", "depth_buckets", "threshold", "trained_length", "engine", "num_cases")
+    SAME = ("model", "seed", "tasks", "depth_buckets", "threshold", "trained_length", "engine", "num_cases",
+            "per_haystack")
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> NeedleReport:
@@ -304,7 +325,8 @@ class NeedleReport:
         trained = data["trained_length"]
         report = cls(data["model"], data["seed"], list(data["contexts"]), list(data["tasks"]), data["depth_buckets"],
                      data["threshold"], trained["length"] if trained else None,
-                     [NeedleOutcome(**o) for o in data["outcomes"]], data.get("engine", ""))
+                     [NeedleOutcome(**o) for o in data["outcomes"]], data.get("engine", ""),
+                     per_haystack=data.get("per_haystack", 1))
         report.num_cases = data.get("num_cases", max(report._counts().values(), default=0))
         return report
 
@@ -365,7 +387,8 @@ class NeedleReport:
                        "passes": all(self.accuracy(None, c) >= self.threshold for c in within) if within else None}
         return {"model": self.model, "seed": self.seed, "contexts": self.contexts, "tasks": self.tasks,
                 "depth_buckets": self.depth_buckets, "threshold": self.threshold, "trained_length": trained,
-                "engine": self.engine, "num_cases": self.num_cases, "results": rows}
+                "engine": self.engine, "num_cases": self.num_cases, "per_haystack": self.per_haystack,
+                "results": rows}
 
     def to_json(self) -> dict[str, Any]:
         return {**self.summary(), "outcomes": [asdict(o) for o in self.outcomes]}
@@ -374,7 +397,9 @@ class NeedleReport:
         heads = " | ".join(context_label(c) for c in self.contexts)
         lines = [f"# Needle retrieval: {self.model}", "",
                  f"seed {self.seed}; exact match; greedy; threshold {self.threshold:.0%}"
-                 + (f"; {self.engine}" if self.engine else ""), "",
+                 + (f"; {self.engine}" if self.engine else "")
+                 + (f"; {self.per_haystack} cases a haystack (each holds the needles of all of them)"
+                    if self.per_haystack > 1 else ""), "",
                  f"| task | {heads} | holds up to |", "|---|" + "---:|" * (len(self.contexts) + 1)]
         summary = self.summary()
         for name, row in summary["results"].items():
@@ -436,14 +461,14 @@ class NeedleReport:
 
 
 def needle_cases(generator: NeedleGenerator, task: NeedleTask, context: int, num_cases: int,
-                 seed: int, indices: Sequence[int] | None = None) -> Iterator[NeedleCase]:
+                 seed: int, indices: Sequence[int] | None = None, per_haystack: int = 1) -> Iterator[NeedleCase]:
     """The cases of `task` at `context` (only `indices` of them, when given): prompts of
-    context - answer_budget(task) tokens."""
+    context - answer_budget(task) tokens (at most, when cases share haystacks)."""
     prompt_len = context - answer_budget(task)
     if prompt_len < 1:
         raise ValueError(f"--contexts {context} is shorter than task {task.label}'s answer budget of "
                          f"{answer_budget(task)} tokens; use longer contexts")
-    return generator.cases(task, prompt_len, num_cases, seed, indices)
+    return generator.cases(task, prompt_len, num_cases, seed, indices, per_haystack)
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -459,8 +484,8 @@ def evaluate_needles(answer: Answerer, generator: NeedleGenerator, tasks: Sequen
                      depth_buckets: int = DEFAULT_DEPTH_BUCKETS, threshold: float = DEFAULT_THRESHOLD,
                      trained_length: int | None = None, log: Callable[[str], object] | None = None,
                      engine: str = "", shard: tuple[int, int] = (0, 1), progress: bool = False,
-                     resume: NeedleReport | None = None,
-                     on_batch: Callable[[NeedleReport], object] | None = None) -> NeedleReport:
+                     resume: NeedleReport | None = None, on_batch: Callable[[NeedleReport], object] | None = None,
+                     per_haystack: int = 1) -> NeedleReport:
     """Run `num_cases` cases of every task at every context through `answer`, `batch_size` cases
     at a time (a 1M-token prompt is large: cases are made as they are needed), and score them by
     exact match. shard (I, N): only cases I, I + N, ... of each task and context (their indices and
@@ -468,19 +493,24 @@ def evaluate_needles(answer: Answerer, generator: NeedleGenerator, tasks: Sequen
     progress: a bar over every case (on a terminal), with the context, the accuracy so far there
     and the prompt tokens a second. on_batch: called with the report so far after every batch (to
     save it); resume: such a report of this same evaluation, from a run that stopped: its cases are
-    kept and not run again (a ValueError if it is of another evaluation or shard)."""
+    kept and not run again (a ValueError if it is of another evaluation or shard).
+    per_haystack K > 1: cases share haystacks, K a haystack (`NeedleGenerator.cases`); a haystack's
+    first case is answered alone, then the others, batch_size at a time, so that an engine with
+    prefix caching prefills each haystack once."""
     if num_cases < 1:
         raise ValueError(f"--cases must be at least 1, got {num_cases}")
     if batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, got {batch_size}")
     if depth_buckets < 1:
         raise ValueError(f"--depth-buckets must be at least 1, got {depth_buckets}")
+    if per_haystack < 1:
+        raise ValueError(f"--cases-per-haystack must be at least 1, got {per_haystack}")
     first, every = shard
     indices = list(range(first, num_cases, every))
     if not indices:
         raise ValueError(f"--shard {first}/{every} holds none of the {num_cases} cases; use fewer shards")
     report = NeedleReport(model, seed, sorted(contexts), [t.label for t in tasks], depth_buckets, threshold,
-                          trained_length, engine=engine, num_cases=num_cases)
+                          trained_length, engine=engine, num_cases=num_cases, per_haystack=per_haystack)
     if resume is not None:
         _check_resumable(resume, report, shard)
         report.outcomes.extend(resume.outcomes)
@@ -492,8 +522,7 @@ def evaluate_needles(answer: Answerer, generator: NeedleGenerator, tasks: Sequen
     for context in report.contexts:
         for task in tasks:
             todo = [i for i in indices if (task.label, context, i) not in finished]
-            cases = zip(todo, needle_cases(generator, task, context, num_cases, seed, todo))
-            while batch := [c for _, c in zip(range(batch_size), cases)]:
+            for batch in _batches(generator, task, context, num_cases, seed, todo, batch_size, per_haystack):
                 outputs = answer([case for _, case in batch])
                 for (index, case), output in zip(batch, outputs, strict=True):
                     report.outcomes.append(NeedleOutcome(task.label, context, index, float(depths[index]),
@@ -555,7 +584,7 @@ def merge_needle_reports(reports: Sequence[NeedleReport]) -> NeedleReport:
     outcomes.sort(key=lambda o: (o.context, order[o.task], o.index))
     contexts = sorted({c for r in reports for c in r.contexts})
     return NeedleReport(first.model, first.seed, contexts, first.tasks, first.depth_buckets, first.threshold,
-                        first.trained_length, outcomes, first.engine, first.num_cases)
+                        first.trained_length, outcomes, first.engine, first.num_cases, first.per_haystack)
 
 
 def save_needle_json(report: NeedleReport, out: str | Path) -> Path:
@@ -644,7 +673,11 @@ def add_eval_parser(subparsers: Any) -> None:
     n.add_argument("--resume", action="store_true",
                    help="continue the run whose needles.json is in --out (saved after every batch, so a run that "
                         "was stopped loses at most its last batch): its cases are kept, the rest are run; it must "
-                        "be the same evaluation (model, seed, tasks, contexts, cases, shard, engine)")
+                        "be the same evaluation (model, seed, tasks, contexts, cases, shard, engine, cases a haystack)")
+    n.add_argument("--cases-per-haystack", type=int, default=1, metavar="K",
+                   help="K single-needle cases share one haystack, which holds all their needles and differs "
+                        "between them only in the question: prefix caching prefills it once, so 200 cases at 1M "
+                        "cost 200/K prefills (the single task; default 1: a haystack each)")
     n.add_argument("--no-progress", action="store_true", help="no progress bar (it shows on a terminal only)")
     common(n, None)
     n.set_defaults(func=run_needles)
@@ -743,7 +776,8 @@ def run_needles(args: argparse.Namespace) -> int:
                                   str(args.model), args.batch_size, args.depth_buckets, args.threshold,
                                   args.trained_length, log=tqdm.write, engine=engine_description(llm), shard=shard,
                                   progress=not args.no_progress, resume=saved,
-                                  on_batch=lambda so_far: save_needle_json(so_far, out))
+                                  on_batch=lambda so_far: save_needle_json(so_far, out),
+                                  per_haystack=args.cases_per_haystack)
     except (OSError, ValueError) as e:
         return _fail(str(e))
     print(report.markdown())

@@ -34,15 +34,21 @@ the haystack fills what the template, question and needles leave, its last line 
 ended with a newline. The ids are canonical: decoding and re-encoding the prompt may differ at that
 cut by a token, so pass `input_ids`, not text, to a model.
 
+Shared haystacks (`NeedleGenerator.shared_haystack_cases`, `cases(..., per_haystack=K)`): K single
+cases whose prompts differ only in the question after one haystack that holds all K needles, so
+that an engine with prefix caching prefills it once: what makes hundreds of cases at 1M tokens
+affordable. Each case then also holds K - 1 unasked needles, as a multikey case does.
+
 Every random choice comes from `random.Random(seed)` (seed an int or a string), whose output Python
 keeps stable across versions and machines.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import string
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -254,23 +260,42 @@ class NeedleGenerator:
             raise ValueError(f"depth must be in [0, 1], got {depth}")
         rng = random.Random(seed)
         needles, question, answer = self._plan(task, depth, rng)
-        lead = f'{needles[0].name} = "' if task.lead and task.has_lead_kind else ""
+        prefix, suffix, answer_ids = self._ends(task, needles[0].name, question, answer)
+        needle_ids = [self._encode(n.text) for n in needles]
+        fixed = len(prefix) + len(suffix) + sum(map(len, needle_ids))
+        fixed += len(answer_ids) if length_includes_answer else 0
+        haystack_len = self._haystack_len(task, length, fixed)
+        body, placed = self._place(prefix, self._haystack(haystack_len, rng), needles, needle_ids)
+        input_ids = np.concatenate([body, np.asarray(suffix, dtype=np.int64)]).tolist()
+        return NeedleCase(input_ids, answer_ids, answer, question, tuple(placed), haystack_len, task)
+
+    def _ends(self, task: NeedleTask, first_asked: str, question: str,
+              answer: str) -> tuple[list[int], list[int], list[int]]:
+        """The ids before the haystack, after it (the question, and the lead that opens the answer
+        of the first asked needle), and of the answer with its <|end|>."""
+        lead = f'{first_asked} = "' if task.lead and task.has_lead_kind else ""
         if task.chat:
             prefix, suffix = self._encode("<|user|>\n"), self._encode(f"\n{question}{END}\n<|assistant|>\n{lead}")
         else:
             prefix, suffix = [], self._encode(f"\n# {question}\n# Answer:{' ' + lead if lead else ''}")
-        answer_ids = [*self._encode(answer if task.chat or lead else f" {answer}"), self.end_id]
-        needle_ids = [self._encode(n.text) for n in needles]
-        fixed = len(prefix) + len(suffix) + sum(map(len, needle_ids))
-        fixed += len(answer_ids) if length_includes_answer else 0
-        haystack_len = length - fixed
-        if haystack_len < 1:
+        return prefix, suffix, [*self._encode(answer if task.chat or lead else f" {answer}"), self.end_id]
+
+    @staticmethod
+    def _haystack_len(task: NeedleTask, length: int, fixed: int) -> int:
+        if length - fixed < 1:
             raise ValueError(f"length={length} leaves no room for a haystack: task {task.label} needs at least "
                              f"{fixed + 1} tokens")
-        hay, bounds = self._haystack(haystack_len, rng)
+        return length - fixed
+
+    @staticmethod
+    def _place(prefix: list[int], haystack: tuple[np.ndarray, np.ndarray], needles: list[Needle],
+               needle_ids: list[list[int]]) -> tuple[np.ndarray, list[Needle]]:
+        """prefix + the haystack with every needle at the line boundary nearest its depth (ids), and
+        the needles placed, in haystack order."""
+        hay, bounds = haystack
         # the boundary nearest to each requested depth; ties and equal offsets keep plan order,
         # which keeps a chain's links after its value
-        targets = np.array([n.depth * haystack_len for n in needles])
+        targets = np.array([n.depth * len(hay) for n in needles])
         right = np.clip(np.searchsorted(bounds, targets), 1, len(bounds) - 1)
         offsets = np.where(targets - bounds[right - 1] <= bounds[right] - targets, bounds[right - 1], bounds[right])
         order = sorted(range(len(needles)), key=lambda i: (offsets[i], i))
@@ -283,19 +308,74 @@ class NeedleGenerator:
                                  len(needle_ids[i])))
             position += len(needle_ids[i])
             cursor = off
-        pieces += [hay[cursor:], np.asarray(suffix, dtype=np.int64)]
-        input_ids = np.concatenate(pieces).tolist()
-        return NeedleCase(input_ids, answer_ids, answer, question, tuple(placed), haystack_len, task)
+        pieces.append(hay[cursor:])
+        return np.concatenate(pieces), placed
+
+    def shared_haystack_cases(self, task: NeedleTask, length: int, depths: Sequence[float],
+                              seed: int | str) -> list[NeedleCase]:
+        """len(depths) single-needle cases that share one haystack, which holds all their needles
+        (distinct names and values, case j's at depths[j]) and differs between them only in the
+        question after it: an engine with prefix caching prefills it once (a long-context
+        evaluation's cost). Each case then also holds the others' needles, as a multikey case does.
+        Prompts are at most `length` tokens: the haystack is sized for the longest question."""
+        if task.kind != "single" or task.num_distractors:
+            raise ValueError(f"cases share a haystack only for the single task without distractors, not {task.label}")
+        if not 1 <= len(depths) <= MAX_NAMES or not all(0.0 <= d <= 1.0 for d in depths):
+            raise ValueError(f"a shared haystack holds 1 to {MAX_NAMES} needles at depths in [0, 1], got {depths}")
+        rng = random.Random(seed)
+        grid = rng.sample(range(len(ADJECTIVES) * len(NOUNS)), len(depths))
+        names = [_name(*divmod(g, len(NOUNS))) for g in grid]
+        values = ["".join(rng.choice(string.digits) for _ in range(task.value_digits)) for _ in names]
+        needles = [Needle(n, f'{n} = "{v}"\n', "asked", d) for n, v, d in zip(names, values, depths)]
+        questions = [f"What is the value of {n}? Answer with the value only." for n in names]
+        ends = [self._ends(task, n, q, v) for n, q, v in zip(names, questions, values)]
+        needle_ids = [self._encode(n.text) for n in needles]
+        fixed = len(ends[0][0]) + max(len(suffix) for _, suffix, _ in ends) + sum(map(len, needle_ids))
+        haystack_len = self._haystack_len(task, length, fixed)
+        body, placed = self._place(ends[0][0], self._haystack(haystack_len, rng), needles, needle_ids)
+        cases = []
+        for name, question, value, (_, suffix, answer_ids) in zip(names, questions, values, ends):
+            own = tuple(dataclasses.replace(p, role="asked" if p.name == name else "other") for p in placed)
+            input_ids = np.concatenate([body, np.asarray(suffix, dtype=np.int64)]).tolist()
+            cases.append(NeedleCase(input_ids, answer_ids, value, question, own, haystack_len, task))
+        return cases
 
     def cases(self, task: NeedleTask, length: int, num_cases: int, seed: int,
-              indices: Iterable[int] | None = None) -> Iterator[NeedleCase]:
+              indices: Iterable[int] | None = None, per_haystack: int = 1) -> Iterator[NeedleCase]:
         """`num_cases` evaluation cases at `length`, depths evenly spaced over [0, 1], made one at a
         time (200 prompts of 1M ids would not fit in memory at once). Case i depends only on
         (seed, task, length, i) and its depth. indices: only those cases of the num_cases, in that
-        order (a shard of an evaluation split over several runs)."""
+        order (a shard of an evaluation split over several runs).
+
+        per_haystack K > 1: the cases share haystacks (`shared_haystack_cases`), K a haystack:
+        haystack g of G = ceil(num_cases / K) holds cases g, g + G, g + 2G, ... (depths spread over
+        [0, 1]); case i then depends on (seed, task, length, K, its haystack). `haystack_groups`
+        puts a haystack's cases together."""
         depths = np.linspace(0.0, 1.0, num_cases) if num_cases > 1 else np.array([0.5])
+        if per_haystack < 1:
+            raise ValueError(f"cases a haystack must be at least 1, got {per_haystack}")
+        groups = -(-num_cases // per_haystack)
+        made: dict[int, NeedleCase] = {}  # the last haystack's cases, by index
         for i in range(num_cases) if indices is None else indices:
-            yield self.case(task, length, float(depths[i]), f"{seed}/{task.label}/{length}/{i}")
+            if per_haystack == 1:
+                yield self.case(task, length, float(depths[i]), f"{seed}/{task.label}/{length}/{i}")
+                continue
+            if i not in made:
+                members = range(i % groups, num_cases, groups)
+                made = dict(zip(members, self.shared_haystack_cases(
+                    task, length, [float(depths[j]) for j in members],
+                    f"{seed}/{task.label}/{length}/haystack{i % groups}of{groups}")))
+            yield made[i]
+
+
+def haystack_groups(indices: Iterable[int], num_cases: int, per_haystack: int) -> list[list[int]]:
+    """`indices` of `NeedleGenerator.cases(..., per_haystack=K)` by the haystack they share, each
+    group in index order, the groups in the order of their first index; K = 1: one case a group."""
+    groups = -(-num_cases // per_haystack)
+    by_haystack: dict[int, list[int]] = {}
+    for i in indices:
+        by_haystack.setdefault(i % groups if per_haystack > 1 else i, []).append(i)
+    return [sorted(members) for members in by_haystack.values()]
 
 
 class NeedleDataset(torch.utils.data.Dataset):
