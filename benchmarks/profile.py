@@ -9,9 +9,11 @@ under torch.profiler:
     prefill  --prefill L: one prompt of L random token ids, 1 token generated (the long-context
              prefill of a needle case: the indexers score every earlier key)
 
-Per engine step (the engine's step log counts them): the wall time of the timed run; the
-device's busy time, kernels summed (CUDA graph replays included); the kernels taking it, most
-first; the CUDA runtime and driver calls the host made (kernel and graph launches, copies,
+Per engine step (the engine's step log counts them): the wall time of the timed run; the host
+span of each part of a step (schedule, forward, sample or verify + propose, emit: the engine names
+them for the profiler, `megactx.engine.steplog.phase`; a part that waits for the device includes
+the wait); the device's busy time, kernels summed (CUDA graph replays included); the kernels
+taking it, most first; the CUDA runtime and driver calls the host made (kernel and graph launches, copies,
 synchronisations); and the host's own work, the PyTorch ops by self CPU time. A profiled run is
 slower than the timed one (the profiler's host time), so walls come from the timed run and the
 breakdown from the profiled one. On a CPU only the host side exists.
@@ -50,6 +52,7 @@ from benchmarks.common import (
     save_figure,
     write_suite_reports,
 )
+from megactx.engine.steplog import PHASE_PREFIX, recording_phases
 
 HELP = "where engine steps spend their time (torch.profiler): kernels, launches, host ops"
 RESULTS_DIR = Path(__file__).parent / "results"
@@ -98,14 +101,20 @@ def _steps(log: Path, skip: int) -> list[dict]:
 
 
 def breakdown(events, steps: int, top: int) -> dict[str, Any]:
-    """Per-step figures of a profiler's events: kernels (device time, most first), runtime/driver
-    calls, and PyTorch ops by self CPU time; each table cut to `top` rows plus an 'other' row."""
+    """Per-step figures of a profiler's events: the engine's step phases (host spans, in step
+    order), kernels (device time, most first), runtime/driver calls, and PyTorch ops by self CPU
+    time; the last three cut to `top` rows plus an 'other' row."""
     kernels: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])  # name -> [calls, us]
     calls: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     ops: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    phases: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])  # first seen first: step order
     for e in events:
         if e.device_type.name == "CUDA":
             row = kernels[e.name]
+            row[0] += 1
+            row[1] += e.time_range.elapsed_us()
+        elif e.name.startswith(PHASE_PREFIX):
+            row = phases[e.name.removeprefix(PHASE_PREFIX)]
             row[0] += 1
             row[1] += e.time_range.elapsed_us()
         elif RUNTIME_CALL.match(e.name):
@@ -126,7 +135,9 @@ def breakdown(events, steps: int, top: int) -> dict[str, Any]:
                         "us_per_step": sum(us for _, (_, us) in rest) / steps})
         return out
 
-    return {"device_us_per_step": sum(us for _, us in kernels.values()) / steps,
+    return {"phases": [{"name": name, "calls_per_step": n / steps, "us_per_step": us / steps}
+                       for name, (n, us) in phases.items()],
+            "device_us_per_step": sum(us for _, us in kernels.values()) / steps,
             "kernels_per_step": sum(n for n, _ in kernels.values()) / steps,
             "kernels": table(kernels), "runtime_calls": table(calls), "host_ops": table(ops)}
 
@@ -148,7 +159,7 @@ def profile_engine(llm, prompts: list[list[int]], params: list, device: torch.de
     timed = _steps(log, seen)
     seen += len(timed)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with recording_phases(), profile(activities=activities) as prof:
         llm.generate(prompts, params, use_tqdm=False)
         _sync(device)
     llm.step_log.flush()
@@ -222,7 +233,9 @@ def render_markdown(results: dict[str, Any]) -> str:
     lines += [md_table(["γ", "steps", "wall ms a step", "device ms a step", "device busy", "kernels a step",
                         "acceptance length", "output tokens/s"], summary), ""]
     for e in results["engines"]:
-        lines += [f"## γ = {e['gamma']}", "", "Kernels, by device time:", "", _table(e["kernels"], "kernel"),
+        lines += [f"## γ = {e['gamma']}", "", "Parts of a step (host spans; a part that waits for the device "
+                  "includes the wait):", "", _table(e.get("phases", []), "part"),
+                  "Kernels, by device time:", "", _table(e["kernels"], "kernel"),
                   "CUDA runtime / driver calls:", "", _table(e["runtime_calls"], "call"),
                   "Host: PyTorch ops by self CPU time:", "", _table(e["host_ops"], "op")]
     return "\n".join(lines)

@@ -41,8 +41,12 @@ def test_breakdown_sorts_kernels_calls_and_ops_per_step_and_folds_the_rest():
     events = ([FakeEvent("gemm", "CUDA", 10.0)] * 4 + [FakeEvent("topk", "CUDA", 30.0)] * 2
               + [FakeEvent("norm", "CUDA", 1.0)] * 6 + [FakeEvent("cudaLaunchKernel", "CPU", 2.0)] * 8
               + [FakeEvent("cuLaunchKernel", "CPU", 3.0)] * 2 + [FakeEvent("cudaGraphLaunch", "CPU", 5.0)] * 2
-              + [FakeEvent("aten::mm", "CPU", 7.0)] * 2 + [FakeEvent("aten::cudaish", "CPU", 1.0)])
+              + [FakeEvent("aten::mm", "CPU", 7.0)] * 2 + [FakeEvent("aten::cudaish", "CPU", 1.0)]
+              + [FakeEvent("megactx::verify", "CPU", 50.0), FakeEvent("megactx::emit", "CPU", 4.0)] * 2)
     b = breakdown(events, steps=2, top=2)
+    # the engine's named parts of a step, in step order, apart from the ops
+    assert b["phases"] == [{"name": "verify", "calls_per_step": 1.0, "us_per_step": 50.0},
+                           {"name": "emit", "calls_per_step": 1.0, "us_per_step": 4.0}]
     assert b["device_us_per_step"] == pytest.approx((40 + 60 + 6) / 2)
     assert b["kernels_per_step"] == pytest.approx(12 / 2)
     assert [r["name"] for r in b["kernels"]] == ["topk", "gemm", "other (1)"]  # by device time, not calls
@@ -75,8 +79,12 @@ def test_profile_runs_the_engines_and_writes_the_reports(ckpt, tmp_path, capsys)
     # γ = 2: a verify emits 1 to 3 tokens, so 8 tokens after the prefill's take 3 to 8 steps
     assert spec["gamma"] == 2 and spec["output_tokens"] == 9 and 1 + 3 <= spec["steps"] <= 1 + 8
     assert 1.0 <= spec["mean_acceptance_length"] <= 3.0
+    # every step schedules, computes and emits; a speculative one verifies and drafts instead of sampling
+    assert [p["name"] for p in plain["phases"]] == ["schedule", "forward", "sample", "emit"]
+    assert [p["name"] for p in spec["phases"]] == ["schedule", "forward", "verify", "propose", "emit"]
     for e in results["engines"]:
         assert e["profiled_steps"] == e["steps"]  # the same prompts and seeds: the same steps
+        assert {p["name"]: p["calls_per_step"] for p in e["phases"]}["forward"] == 1.0
         assert e["kernels"] == [] and e["device_us_per_step"] == 0  # a CPU has no device side
         assert len(e["host_ops"]) == 6 and e["host_ops"][-1]["name"].startswith("other")
         assert any(r["name"] == "aten::mm" for r in e["host_ops"])

@@ -57,7 +57,7 @@ from megactx.engine.sampling_params import SamplingParams
 from megactx.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from megactx.engine.sequence import Sequence as Seq
 from megactx.engine.spec_decode import DRAFT_ACCEPTANCE, MTP_MODES, SpecConfig, SpecDecoder, SpecDecodeStats
-from megactx.engine.steplog import StepLog
+from megactx.engine.steplog import StepLog, phase
 from megactx.engine.tokenizer import CompletionText, Tokenizer
 from megactx.kernels.reference import BLOCK_SIZE
 from megactx.model.paged import HostCopy, cache_bytes_per_token, resolve_cache_dtype
@@ -429,7 +429,8 @@ class LLM:
     def _step(self) -> list[Delta]:
         if self.spec is not None:
             return self._spec_step(self.spec)
-        out = self._last_schedule = self.scheduler.schedule()
+        with phase("schedule"):
+            out = self._last_schedule = self.scheduler.schedule()
         self.stats.preemptions += len(out.preempted)
         if out.is_empty:
             return self._resolve()  # the last step's tokens
@@ -441,9 +442,29 @@ class LLM:
                     if item.samples and item.seq.token_ids[-1] == PENDING_TOKEN and item.seq.seq_id in pending.rows]
             if last:  # gathered from the last step's tokens in the copy that takes the step's inputs
                 fed = DeviceTokens([t for t, _ in last], pending.tokens, [r for _, r in last])
-        logits = self.runner.execute(out.scheduled, fed)  # [R, V]
+        with phase("forward"):
+            logits = self.runner.execute(out.scheduled, fed)  # [R, V]
+        with phase("sample"):
+            launched, deltas, seqs = self._sample(out, logits)
+        if deltas is None:
+            with phase("emit"):
+                deltas = self._resolve()  # the step before: on the host by now, or soon
+        # each sampling chunk's token is known to come: scheduling counts it from now on
+        self.scheduler.postprocess(out, {seq.seq_id: PENDING_TOKEN for seq in seqs})
+        if seqs:
+            launched.positions = {seq.seq_id: seq.num_tokens - 1 for seq in seqs if not seq.is_finished}
+            self._pending = launched
+            if not self.async_scheduling:
+                with phase("emit"):
+                    deltas += self._resolve()
+        return deltas
+
+    def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> tuple[_Pending | None, list[Delta] | None,
+                                                                           list[Seq]]:
+        """Launch the sampling of the step's sampling chunks -> (the pending tokens, the deltas of
+        the step before when penalties had to read them first, else None; the sampled sequences)."""
         seqs = [item.seq for item in out.scheduled if item.samples]
-        deltas = None
+        launched, deltas = None, None
         if seqs and self._sampling.argmax_only(seqs, self.cfg.vocab_size, self.eos_token_ids):
             launched = _Pending.launch(seqs, SamplerOutput(logits.argmax(dim=-1)))  # what the sampler would do
         elif seqs:
@@ -454,16 +475,7 @@ class LLM:
                 batch.prompt_token_ids = pad_token_ids([s.token_ids[: s.num_prompt_tokens] for s in seqs], self.device)
                 batch.output_token_ids = pad_token_ids([s.output_token_ids for s in seqs], self.device)
             launched = _Pending.launch(seqs, self.sampler(logits, batch))
-        if deltas is None:
-            deltas = self._resolve()  # the step before: on the host by now, or soon
-        # each sampling chunk's token is known to come: scheduling counts it from now on
-        self.scheduler.postprocess(out, {seq.seq_id: PENDING_TOKEN for seq in seqs})
-        if seqs:
-            launched.positions = {seq.seq_id: seq.num_tokens - 1 for seq in seqs if not seq.is_finished}
-            self._pending = launched
-            if not self.async_scheduling:
-                deltas += self._resolve()
-        return deltas
+        return launched, deltas, seqs
 
     def _resolve(self) -> list[Delta]:
         """Wait for the pending step's tokens, put them in place of their sequences' PENDING_TOKEN,
@@ -494,19 +506,27 @@ class LLM:
     def _spec_step(self, spec: SpecDecoder) -> list[Delta]:
         """One step of the speculative engine: schedule with the drafts held, target forward over
         known tokens and drafts, verify, record, MTP KV + next drafts, emit."""
-        out = self._last_schedule = self.scheduler.schedule(spec.draft_lengths())
+        with phase("schedule"):
+            out = self._last_schedule = self.scheduler.schedule(spec.draft_lengths())
         self.stats.preemptions += len(out.preempted)
         for seq in out.preempted:
             spec.forget(seq.seq_id)  # its KV is gone; it drafts again after its recompute
         if out.is_empty:
             return []
         self.stats.steps += 1
-        target = spec.forward(out.scheduled)
-        emitted = spec.verify(out.scheduled, target, self._generators)
+        with phase("forward"):
+            target = spec.forward(out.scheduled)
+        with phase("verify"):  # its one host sync waits for the forward
+            emitted = spec.verify(out.scheduled, target, self._generators)
         self.scheduler.postprocess(out, {seq_id: e.tokens for seq_id, e in emitted.items()})
         wanted = {item.seq.seq_id: self.scheduler.max_draft_tokens(item.seq) for item in out.scheduled if item.samples}
-        spec.propose(out.scheduled, target, wanted, self._generators)
+        with phase("propose"):
+            spec.propose(out.scheduled, target, wanted, self._generators)
+        with phase("emit"):
+            return self._emit_verified(out, emitted)
 
+    def _emit_verified(self, out: SchedulerOutput, emitted: dict) -> list[Delta]:
+        """The deltas of a speculative step: each sampling chunk's accepted drafts and the token after them."""
         now = time.perf_counter()
         deltas = []
         for item in out.scheduled:

@@ -1,4 +1,5 @@
-"""`StepLog`: one JSON line for every engine step, to see where a server's time goes.
+"""`StepLog`: one JSON line for every engine step, to see where a server's time goes; and `phase`,
+the named parts of a step that `megactx bench profile` reads from a torch.profiler trace.
 
     llm = LLM(path, step_log="steps.jsonl")        # or: megactx serve --step-log steps.jsonl
     python -m megactx.engine.steplog steps.jsonl   # a summary: step times, and the slowest steps
@@ -19,6 +20,7 @@ of work.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -27,6 +29,30 @@ import time
 from pathlib import Path
 
 FLUSH_S = 0.5
+PHASE_PREFIX = "megactx::"
+_recording_phases = False
+
+
+def phase(name: str) -> contextlib.AbstractContextManager:
+    """A part of an engine step (schedule, forward, verify, ...): a torch.profiler range named
+    megactx::<name> while `recording_phases()` is on, else nothing (so that a step outside a
+    profile pays for no range)."""
+    if not _recording_phases:
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.profiler.record_function(PHASE_PREFIX + name)
+
+
+@contextlib.contextmanager
+def recording_phases():
+    """Within it, the engine's steps name their parts (`phase`) for the profiler."""
+    global _recording_phases
+    previous, _recording_phases = _recording_phases, True
+    try:
+        yield
+    finally:
+        _recording_phases = previous
 
 
 class StepLog:
