@@ -109,7 +109,10 @@ def breakdown(events, steps: int, top: int) -> dict[str, Any]:
     ops: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     phases: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])  # first seen first: step order
     for e in events:
-        if e.device_type.name == "CUDA":
+        on_device = e.device_type.name == "CUDA"
+        if on_device and getattr(e, "is_user_annotation", False):
+            continue  # a range's shadow on the GPU timeline (a phase's, say): the kernels in it count
+        if on_device:
             row = kernels[e.name]
             row[0] += 1
             row[1] += e.time_range.elapsed_us()
@@ -189,7 +192,9 @@ def run_profiles(model_dir: Path, w: Workload, gammas: list[int], device: str, t
               for i in range(len(prompts))]
     shown = os.path.relpath(model_dir) if Path(model_dir).resolve().is_relative_to(Path.cwd()) else str(model_dir)
     results: dict[str, Any] = {"schema": 1, "machine": machine_info(device), "model": shown,
-                               "workload": w.describe(), "prompts": source, "top": top, "engines": []}
+                               "workload": w.describe() + ("" if engine_args.get("cuda_graphs", True) else
+                                                           ", no CUDA graphs"),
+                               "prompts": source, "top": top, "engines": []}
     dev = torch.device(device)
     with tempfile.TemporaryDirectory() as tmp:
         for gamma in gammas:
@@ -288,6 +293,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="the engine's chunk of prefill tokens")
     p.add_argument("--top", type=int, default=15, help="rows of each table (default 15)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="run the engine's steps eagerly (each kernel launched by the host), e.g. to see what a "
+                        "graph replay holds")
     p.add_argument("--trace", action="store_true", help="also write a Chrome/Perfetto trace per engine into --out")
     p.add_argument("--out", type=Path, default=None, help=f"directory for the reports (default: {RESULTS_DIR})")
     p.add_argument("--from-json", type=Path, default=None, metavar="FILE",
@@ -317,7 +325,8 @@ def run(args: argparse.Namespace) -> int:
         path, _ = resolve_model(args.model, progress.log)
         out = args.out or RESULTS_DIR
         out.mkdir(parents=True, exist_ok=True)
-        engine_args = {"max_num_batched_tokens": args.max_num_batched_tokens, "hf_overrides": args.hf_overrides}
+        engine_args = {"max_num_batched_tokens": args.max_num_batched_tokens, "hf_overrides": args.hf_overrides,
+                       "cuda_graphs": args.cuda_graphs}
         results = run_profiles(path, w, args.num_speculative_tokens, device, args.top, out if args.trace else None,
                                engine_args, progress)
     except (ValueError, OSError) as e:

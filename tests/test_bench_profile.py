@@ -23,6 +23,7 @@ class FakeEvent:
     name: str
     device: str  # "CPU" or "CUDA"
     us: float  # span (kernels, runtime calls) or self CPU time (ops)
+    is_user_annotation: bool = False  # a record_function range (on the GPU timeline too, with CUDA kernels)
 
     @property
     def device_type(self):
@@ -42,7 +43,8 @@ def test_breakdown_sorts_kernels_calls_and_ops_per_step_and_folds_the_rest():
               + [FakeEvent("norm", "CUDA", 1.0)] * 6 + [FakeEvent("cudaLaunchKernel", "CPU", 2.0)] * 8
               + [FakeEvent("cuLaunchKernel", "CPU", 3.0)] * 2 + [FakeEvent("cudaGraphLaunch", "CPU", 5.0)] * 2
               + [FakeEvent("aten::mm", "CPU", 7.0)] * 2 + [FakeEvent("aten::cudaish", "CPU", 1.0)]
-              + [FakeEvent("megactx::verify", "CPU", 50.0), FakeEvent("megactx::emit", "CPU", 4.0)] * 2)
+              + [FakeEvent("megactx::verify", "CPU", 50.0, True), FakeEvent("megactx::emit", "CPU", 4.0, True)] * 2
+              + [FakeEvent("megactx::verify", "CUDA", 45.0, True)] * 2)  # its GPU shadow: not a kernel
     b = breakdown(events, steps=2, top=2)
     # the engine's named parts of a step, in step order, apart from the ops
     assert b["phases"] == [{"name": "verify", "calls_per_step": 1.0, "us_per_step": 50.0},
@@ -96,8 +98,10 @@ def test_profile_runs_the_engines_and_writes_the_reports(ckpt, tmp_path, capsys)
 
 
 def test_profile_of_a_prefill(ckpt, tmp_path):
-    assert main(_args(ckpt, tmp_path, "--prefill", "40", "--max-num-batched-tokens", "16")) == 0
-    (engine,) = json.loads((tmp_path / "profile-cpu.json").read_text())["engines"]
+    assert main(_args(ckpt, tmp_path, "--prefill", "40", "--max-num-batched-tokens", "16", "--no-cuda-graphs")) == 0
+    results = json.loads((tmp_path / "profile-cpu.json").read_text())
+    (engine,) = results["engines"]
+    assert results["workload"].endswith("no CUDA graphs")
     assert engine["steps"] == 3 and engine["output_tokens"] == 1  # 40 prompt tokens in chunks of 16
 
 
