@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gc
 import json
 import math
 import platform
@@ -301,6 +302,19 @@ def host_probe_ms(iterations: int = 200_000) -> float:
     for i in range(iterations):
         acc += i * i % 7
     return (time.perf_counter() - start) * 1e3
+
+
+def sync_device(device: torch.device | str) -> None:
+    """Wait for the device's queued work (nothing to wait for on a CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_device_memory(device: torch.device | str) -> None:
+    """Give the device memory of dropped engines back (the next one, or a server, needs it)."""
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def machine_info(device: torch.device | str) -> dict[str, Any]:

@@ -70,7 +70,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import gc
 import http.client
 import itertools
 import json
@@ -98,6 +97,7 @@ from benchmarks.common import (
     ceilings_markdown,
     fmt_num,
     fmt_time,
+    free_device_memory,
     host_probe_ms,
     int_list,
     machine_info,
@@ -106,6 +106,7 @@ from benchmarks.common import (
     rerender_from_json,
     save_figure,
     stop_process,
+    sync_device,
     write_suite_reports,
 )
 from megactx.engine import steplog
@@ -418,11 +419,11 @@ def transformers_runs(model, s: Settings, batch: int, vocab_size: int,
     walls, ttft, itl, tokens, detail = [], [], [], 0, {}
     for run in range(1, s.reps + 1):
         prompts = random_prompts(batch, s.prompt_len, vocab_size, _prompt_seed(s, batch, run))
-        _sync(s.device)
+        sync_device(s.device)
         stamps = Stamps()
         start = time.perf_counter()
         out = generate(prompts, s.output_len, stamps)
-        _sync(s.device)
+        sync_device(s.device)
         walls.append(time.perf_counter() - start)
         new = out[:, s.prompt_len:].tolist()
         tokens += sum(map(len, new))
@@ -439,18 +440,6 @@ def transformers_runs(model, s: Settings, batch: int, vocab_size: int,
     # a request's latency is its batch's wall time
     latency = [w for w in walls for _ in range(batch)]
     return _timed_figures(TRANSFORMERS, batch, s, walls, tokens, ttft, itl, latency, detail)
-
-
-def _sync(device: str) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _free(device: str) -> None:
-    """Give the device memory of dropped engines back (the next phase, or the server, needs it)."""
-    gc.collect()
-    if torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()
 
 
 # ------------------------------------------------------------------------------ online
@@ -867,7 +856,7 @@ class EngineBench:
                 reason = f"{type(e).__name__}: {e}"
                 self.progress.log(f"{name}: not run: {reason}")
                 self.results["skipped"].append({"step": name, "reason": reason})
-            _free(self.s.device)
+            free_device_memory(self.s.device)
             self.results["wall_s"] = time.perf_counter() - start
             if after_part:
                 after_part(self.results)

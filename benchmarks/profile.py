@@ -45,11 +45,13 @@ import torch
 from benchmarks.common import (
     Progress,
     fmt_num,
+    free_device_memory,
     int_list,
     machine_info,
     md_table,
     rerender_from_json,
     save_figure,
+    sync_device,
     write_suite_reports,
 )
 from megactx.engine.steplog import PHASE_PREFIX, recording_phases
@@ -89,11 +91,6 @@ def prompts_for(model_dir: Path, vocab_size: int, w: Workload) -> tuple[list[lis
     return random_prompts(w.batch, w.prompt_len, vocab_size, w.seed), "random token ids"
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _steps(log: Path, skip: int) -> list[dict]:
     from megactx.engine.steplog import read
 
@@ -114,20 +111,17 @@ def breakdown(events, steps: int, top: int) -> dict[str, Any]:
             continue  # a range's shadow on the GPU timeline (a phase's, say): the kernels in it count
         if on_device:
             row = kernels[e.name]
-            row[0] += 1
-            row[1] += e.time_range.elapsed_us()
         elif e.name.startswith(PHASE_PREFIX):
             row = phases[e.name.removeprefix(PHASE_PREFIX)]
-            row[0] += 1
-            row[1] += e.time_range.elapsed_us()
         elif RUNTIME_CALL.match(e.name):
             row = calls[e.name]
-            row[0] += 1
-            row[1] += e.time_range.elapsed_us()
-        else:
+        else:  # an op: its own time, not its children's
             row = ops[e.name]
             row[0] += 1
             row[1] += e.self_cpu_time_total
+            continue
+        row[0] += 1
+        row[1] += e.time_range.elapsed_us()
 
     def table(rows: dict[str, list[float]]) -> list[dict[str, Any]]:
         ranked = sorted(rows.items(), key=lambda kv: -kv[1][1])
@@ -153,10 +147,10 @@ def profile_engine(llm, prompts: list[list[int]], params: list, device: torch.de
     llm.generate(prompts, params, use_tqdm=False)  # compiles and captures what the runs meet
     llm.step_log.flush()
     seen = len(_steps(log, 0))
-    _sync(device)
+    sync_device(device)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
-    _sync(device)
+    sync_device(device)
     wall = time.perf_counter() - start
     llm.step_log.flush()
     timed = _steps(log, seen)
@@ -164,7 +158,7 @@ def profile_engine(llm, prompts: list[list[int]], params: list, device: torch.de
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with recording_phases(), profile(activities=activities) as prof:
         llm.generate(prompts, params, use_tqdm=False)
-        _sync(device)
+        sync_device(device)
     llm.step_log.flush()
     profiled = _steps(log, seen)
     if trace is not None:
@@ -209,8 +203,7 @@ def run_profiles(model_dir: Path, w: Workload, gammas: list[int], device: str, t
             progress.log(f"  {figures['steps']} steps, {fmt_num(figures['wall_ms_per_step'])} ms a step, device "
                          f"{fmt_num(figures['device_us_per_step'] / 1e3)} ms a step")
             del llm
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
+            free_device_memory(dev)
     return results
 
 

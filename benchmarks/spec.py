@@ -73,7 +73,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import hashlib
 import statistics
 import sys
@@ -92,12 +91,14 @@ from benchmarks.common import (
     ceilings_markdown,
     fmt_num,
     fmt_time,
+    free_device_memory,
     int_list,
     machine_info,
     md_table,
     measure_machine_ceilings,
     rerender_from_json,
     save_figure,
+    sync_device,
     write_suite_reports,
 )
 from benchmarks.engine import random_prompts
@@ -343,17 +344,6 @@ def _sha256(path: Path) -> str:
 
 
 # ------------------------------------------------------------------------------ the run
-def _free(device: str) -> None:
-    gc.collect()
-    if torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def _sync(device: str) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
 class SpecBench:
     """Every engine in turn (no speculation first, then each rung and γ), each over every batch;
     `after_part` gets the results after each engine (to write them as they come).
@@ -426,7 +416,7 @@ class SpecBench:
             return self.model
         if self._variant is None or self._variant[0] != rung.mtp_layer:
             self._variant = None
-            _free(self.s.device)
+            free_device_memory(self.s.device)
             self.progress.log(f"loading the {rung.mtp_layer} variant")
             self._variant = (rung.mtp_layer, load_model(self.variants[rung.mtp_layer], device=self.s.device,
                                                         dtype=self.s.dtype))
@@ -490,10 +480,10 @@ class SpecBench:
 
     def _timed(self, llm, prompts: list[list[int]], params) -> tuple[float, list]:
         """(wall seconds, outputs) of one llm.generate, the device idle at both ends."""
-        _sync(self.s.device)
+        sync_device(self.s.device)
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
-        _sync(self.s.device)
+        sync_device(self.s.device)
         return time.perf_counter() - start, outs
 
     def run(self, after_part: Callable[[dict[str, Any]], object] | None = None) -> dict[str, Any]:
@@ -521,7 +511,7 @@ class SpecBench:
                     self.progress.log(f"{name}: not run: {reason}")
                     self.results["skipped"].append({"step": name, "reason": reason})
                 llm = None
-                _free(self.s.device)
+                free_device_memory(self.s.device)
                 self.results["wall_s"] = time.perf_counter() - start
                 if after_part:
                     after_part(self.results)

@@ -444,8 +444,20 @@ class LLM:
                 fed = DeviceTokens([t for t, _ in last], pending.tokens, [r for _, r in last])
         with phase("forward"):
             logits = self.runner.execute(out.scheduled, fed)  # [R, V]
+        seqs = [item.seq for item in out.scheduled if item.samples]
+        deltas = None
         with phase("sample"):
-            launched, deltas, seqs = self._sample(out, logits)
+            if seqs and self._sampling.argmax_only(seqs, self.cfg.vocab_size, self.eos_token_ids):
+                launched = _Pending.launch(seqs, SamplerOutput(logits.argmax(dim=-1)))  # what the sampler would do
+            elif seqs:
+                tensors = self._sampling.get(seqs, self.device, self.cfg.vocab_size, self.eos_token_ids)
+                batch = SamplingBatch(tensors, generators=[self._generators.get(seq.seq_id) for seq in seqs])
+                if tensors.any_penalties or tensors.any_min_tokens:  # they read the outputs on the host
+                    deltas = self._resolve()
+                    batch.prompt_token_ids = pad_token_ids([s.token_ids[: s.num_prompt_tokens] for s in seqs],
+                                                           self.device)
+                    batch.output_token_ids = pad_token_ids([s.output_token_ids for s in seqs], self.device)
+                launched = _Pending.launch(seqs, self.sampler(logits, batch))
         if deltas is None:
             with phase("emit"):
                 deltas = self._resolve()  # the step before: on the host by now, or soon
@@ -458,24 +470,6 @@ class LLM:
                 with phase("emit"):
                     deltas += self._resolve()
         return deltas
-
-    def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> tuple[_Pending | None, list[Delta] | None,
-                                                                           list[Seq]]:
-        """Launch the sampling of the step's sampling chunks -> (the pending tokens, the deltas of
-        the step before when penalties had to read them first, else None; the sampled sequences)."""
-        seqs = [item.seq for item in out.scheduled if item.samples]
-        launched, deltas = None, None
-        if seqs and self._sampling.argmax_only(seqs, self.cfg.vocab_size, self.eos_token_ids):
-            launched = _Pending.launch(seqs, SamplerOutput(logits.argmax(dim=-1)))  # what the sampler would do
-        elif seqs:
-            tensors = self._sampling.get(seqs, self.device, self.cfg.vocab_size, self.eos_token_ids)
-            batch = SamplingBatch(tensors, generators=[self._generators.get(seq.seq_id) for seq in seqs])
-            if tensors.any_penalties or tensors.any_min_tokens:  # they read the outputs on the host
-                deltas = self._resolve()
-                batch.prompt_token_ids = pad_token_ids([s.token_ids[: s.num_prompt_tokens] for s in seqs], self.device)
-                batch.output_token_ids = pad_token_ids([s.output_token_ids for s in seqs], self.device)
-            launched = _Pending.launch(seqs, self.sampler(logits, batch))
-        return launched, deltas, seqs
 
     def _resolve(self) -> list[Delta]:
         """Wait for the pending step's tokens, put them in place of their sequences' PENDING_TOKEN,
@@ -522,26 +516,23 @@ class LLM:
         wanted = {item.seq.seq_id: self.scheduler.max_draft_tokens(item.seq) for item in out.scheduled if item.samples}
         with phase("propose"):
             spec.propose(out.scheduled, target, wanted, self._generators)
-        with phase("emit"):
-            return self._emit_verified(out, emitted)
 
-    def _emit_verified(self, out: SchedulerOutput, emitted: dict) -> list[Delta]:
-        """The deltas of a speculative step: each sampling chunk's accepted drafts and the token after them."""
         now = time.perf_counter()
         deltas = []
-        for item in out.scheduled:
-            if not item.samples:
-                continue
-            seq, e = item.seq, emitted[item.seq.seq_id]
-            request, index = self._seqs[seq.seq_id]
-            if e.num_drafts:
-                request.output.spec_decode.record(e.num_drafts, e.num_accepted)
-            logprobs = None
-            if request.output.outputs[index].logprobs is not None:
-                k = request.params.logprobs
-                logprobs = [TokenLogprobs(token, lp, dict(itertools.islice(top.items(), k)))
-                            for token, (lp, top) in zip(e.tokens, e.logprobs)]
-            deltas.append(self._emit(request, index, seq, e.tokens, logprobs, now))
+        with phase("emit"):
+            for item in out.scheduled:
+                if not item.samples:
+                    continue
+                seq, e = item.seq, emitted[item.seq.seq_id]
+                request, index = self._seqs[seq.seq_id]
+                if e.num_drafts:
+                    request.output.spec_decode.record(e.num_drafts, e.num_accepted)
+                logprobs = None
+                if request.output.outputs[index].logprobs is not None:
+                    k = request.params.logprobs
+                    logprobs = [TokenLogprobs(token, lp, dict(itertools.islice(top.items(), k)))
+                                for token, (lp, top) in zip(e.tokens, e.logprobs)]
+                deltas.append(self._emit(request, index, seq, e.tokens, logprobs, now))
         return deltas
 
     def _emit(self, request: _Request, index: int, seq: Seq, tokens: list[int], logprobs: list[TokenLogprobs] | None,

@@ -31,6 +31,7 @@ from pathlib import Path
 FLUSH_S = 0.5
 PHASE_PREFIX = "megactx::"
 _recording_phases = False
+_NO_RANGE = contextlib.nullcontext()  # reusable: what `phase` gives outside a profile
 
 
 def phase(name: str) -> contextlib.AbstractContextManager:
@@ -38,7 +39,7 @@ def phase(name: str) -> contextlib.AbstractContextManager:
     megactx::<name> while `recording_phases()` is on, else nothing (so that a step outside a
     profile pays for no range)."""
     if not _recording_phases:
-        return contextlib.nullcontext()
+        return _NO_RANGE
     import torch
 
     return torch.profiler.record_function(PHASE_PREFIX + name)

@@ -175,6 +175,21 @@ def _name(adjective: int, noun: int) -> str:
     return f"{KEY_PREFIX}{ADJECTIVES[adjective]}_{NOUNS[noun]}"
 
 
+def _distinct_names(count: int, rng: random.Random) -> list[str]:
+    return [_name(*divmod(g, len(NOUNS))) for g in rng.sample(range(len(ADJECTIVES) * len(NOUNS)), count)]
+
+
+def _one_value_question(name: str) -> str:
+    return f"What is the value of {name}? Answer with the value only."
+
+
+def _haystack_of(index: int, num_cases: int, per_haystack: int) -> int:
+    """The haystack case `index` is in when `num_cases` cases share haystacks, `per_haystack` a
+    haystack: cases g, g + G, g + 2G, ... share haystack g of G = ceil(num_cases / per_haystack)
+    (with one a haystack, case i is haystack i)."""
+    return index % -(-num_cases // per_haystack)
+
+
 class NeedleGenerator:
     """Needle cases whose haystacks are the code of one split (`TrainingData.needles(split)`)."""
 
@@ -193,8 +208,7 @@ class NeedleGenerator:
     # -- what to hide and ask -------------------------------------------------------------------
     def _plan(self, task: NeedleTask, depth: float, rng: random.Random) -> tuple[list[Needle], str, str]:
         """The needles (not yet placed), the question and the answer."""
-        grid = rng.sample(range(len(ADJECTIVES) * len(NOUNS)), task.num_names - task.num_distractors)
-        names = [_name(*divmod(g, len(NOUNS))) for g in grid]
+        names = _distinct_names(task.num_names - task.num_distractors, rng)
         used_values: set[str] = set()
 
         def value() -> str:
@@ -225,7 +239,7 @@ class NeedleGenerator:
             taken.add(near)
             needles.append(Needle(near, f'{near} = "{value()}"\n', "distractor", rng.random()))
         if len(asked) == 1:
-            question = f"What is the value of {asked[0]}? Answer with the value only."
+            question = _one_value_question(asked[0])
         else:
             question = (f"What are the values of {', '.join(asked)}? Answer with the values only, "
                         "separated by commas, in that order.")
@@ -323,11 +337,10 @@ class NeedleGenerator:
         if not 1 <= len(depths) <= MAX_NAMES or not all(0.0 <= d <= 1.0 for d in depths):
             raise ValueError(f"a shared haystack holds 1 to {MAX_NAMES} needles at depths in [0, 1], got {depths}")
         rng = random.Random(seed)
-        grid = rng.sample(range(len(ADJECTIVES) * len(NOUNS)), len(depths))
-        names = [_name(*divmod(g, len(NOUNS))) for g in grid]
+        names = _distinct_names(len(depths), rng)
         values = ["".join(rng.choice(string.digits) for _ in range(task.value_digits)) for _ in names]
         needles = [Needle(n, f'{n} = "{v}"\n', "asked", d) for n, v, d in zip(names, values, depths)]
-        questions = [f"What is the value of {n}? Answer with the value only." for n in names]
+        questions = [_one_value_question(n) for n in names]
         ends = [self._ends(task, n, q, v) for n, q, v in zip(names, questions, values)]
         needle_ids = [self._encode(n.text) for n in needles]
         fixed = len(ends[0][0]) + max(len(suffix) for _, suffix, _ in ends) + sum(map(len, needle_ids))
@@ -359,22 +372,23 @@ class NeedleGenerator:
         for i in range(num_cases) if indices is None else indices:
             if per_haystack == 1:
                 yield self.case(task, length, float(depths[i]), f"{seed}/{task.label}/{length}/{i}")
-                continue
-            if i not in made:
-                members = range(i % groups, num_cases, groups)
-                made = dict(zip(members, self.shared_haystack_cases(
-                    task, length, [float(depths[j]) for j in members],
-                    f"{seed}/{task.label}/{length}/haystack{i % groups}of{groups}")))
-            yield made[i]
+            elif i in made:
+                yield made[i]
+            else:
+                g = _haystack_of(i, num_cases, per_haystack)
+                members = range(g, num_cases, groups)
+                shared = self.shared_haystack_cases(task, length, [float(depths[j]) for j in members],
+                                                    f"{seed}/{task.label}/{length}/haystack{g}of{groups}")
+                made = dict(zip(members, shared))
+                yield made[i]
 
 
 def haystack_groups(indices: Iterable[int], num_cases: int, per_haystack: int) -> list[list[int]]:
     """`indices` of `NeedleGenerator.cases(..., per_haystack=K)` by the haystack they share, each
     group in index order, the groups in the order of their first index; K = 1: one case a group."""
-    groups = -(-num_cases // per_haystack)
     by_haystack: dict[int, list[int]] = {}
     for i in indices:
-        by_haystack.setdefault(i % groups if per_haystack > 1 else i, []).append(i)
+        by_haystack.setdefault(_haystack_of(i, num_cases, per_haystack), []).append(i)
     return [sorted(members) for members in by_haystack.values()]
 
 
