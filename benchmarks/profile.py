@@ -23,7 +23,9 @@ breakdown from the profiled one. On a CPU only the host side exists.
     megactx bench profile --batch 32 --trace                      # + a Chrome/Perfetto trace per engine
 
 Results: benchmarks/results/profile-<device>.json, .md, .png (a bar per engine: wall and device
-time a step, the top kernels stacked). Figures are of this run; they are not targets.
+time a step, the top kernels stacked), with the GPU's ceilings measured in the same run (bf16 and
+FP8 matmul, device copy) to hold the kernels' times against. Figures are of this run; they are not
+targets, and a profile has no peers: it explains a benchmark's figure.
 """
 
 from __future__ import annotations
@@ -43,12 +45,15 @@ from typing import Any
 import torch
 
 from benchmarks.common import (
+    Ceilings,
     Progress,
+    ceilings_markdown,
     fmt_num,
     free_device_memory,
     int_list,
     machine_info,
     md_table,
+    measure_machine_ceilings,
     rerender_from_json,
     save_figure,
     sync_device,
@@ -188,7 +193,8 @@ def run_profiles(model_dir: Path, w: Workload, gammas: list[int], device: str, t
     results: dict[str, Any] = {"schema": 1, "machine": machine_info(device), "model": shown,
                                "workload": w.describe() + ("" if engine_args.get("cuda_graphs", True) else
                                                            ", no CUDA graphs"),
-                               "prompts": source, "top": top, "engines": []}
+                               "prompts": source, "top": top, "engines": [],
+                               "ceilings": measure_machine_ceilings(device)}  # what the kernels' times compare with
     dev = torch.device(device)
     with tempfile.TemporaryDirectory() as tmp:
         for gamma in gammas:
@@ -221,6 +227,8 @@ def render_markdown(results: dict[str, Any]) -> str:
              f"{m.get('date', '')}; torch {m.get('torch')}, triton {m.get('triton')}. Model `{results['model']}`; "
              f"{results['workload']} ({results['prompts']}). Per engine step: walls of a timed run, the rest from "
              "a profiled run of the same prompts (kernel times summed, CUDA graph replays included).", ""]
+    if results.get("ceilings"):
+        lines += [ceilings_markdown(Ceilings.from_dict(results["ceilings"])), ""]
     summary = []
     for e in results["engines"]:
         device_ms = e["device_us_per_step"] / 1e3

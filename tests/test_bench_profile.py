@@ -92,6 +92,12 @@ def test_profile_runs_the_engines_and_writes_the_reports(ckpt, tmp_path, capsys)
         assert any(r["name"] == "aten::mm" for r in e["host_ops"])
     md = (tmp_path / "profile-cpu.md").read_text()
     assert "## γ = 2" in md and "`aten::mm`" in md and (tmp_path / "profile-cpu.png").is_file()
+    assert results["ceilings"] is None  # a CPU run measures none; a GPU's are shown beside its kernels:
+    from benchmarks.common import Ceilings
+    from benchmarks.profile import render_markdown
+
+    gpu = results | {"ceilings": Ceilings(680.0, 1200.0, 4100.0, {"matmul_n": 8192, "copy_bytes": 1 << 30}).to_dict()}
+    assert "## Ceilings (measured in this run)" in render_markdown(gpu) and "4,100 GB/s" in render_markdown(gpu)
     again = tmp_path / "again"
     assert main(["bench", "profile", "--from-json", str(tmp_path / "profile-cpu.json"), "--out", str(again)]) == 0
     assert (again / "profile-cpu.md").read_text() == md
