@@ -1,7 +1,8 @@
 """`megactx bench profile`: where the time of the engine's steps goes, by torch.profiler.
 
 One workload, run by the engine once untimed (compiles, CUDA graph captures), once timed, once
-under torch.profiler:
+under torch.profiler, each computing the whole of every prompt (the prefix cache is off: with it the
+later runs would compute only a prompt's last block, a shape the warm-up never met):
 
     decode   B prompts of P tokens of held-out code (random ids for a checkpoint without a
              tokenizer), M tokens generated each; one engine per γ of --num-speculative-tokens
@@ -202,7 +203,7 @@ def run_profiles(model_dir: Path, w: Workload, gammas: list[int], device: str, t
             progress.log(f"engine γ = {gamma}: {w.describe()}")
             llm = LLM(model_dir, device=device, max_model_len=max(map(len, prompts)) + new_tokens + gamma + 1,
                       max_num_seqs=max(len(prompts), 1), num_speculative_tokens=gamma, seed=w.seed,
-                      warm_up=False, step_log=log, **engine_args)
+                      warm_up=False, step_log=log, enable_prefix_caching=False, **engine_args)
             trace = trace_dir / f"profile-trace-g{gamma}.json" if trace_dir else None
             figures = profile_engine(llm, prompts, params, dev, log, top, trace)
             results["engines"].append({"gamma": gamma, **figures} | ({"trace": str(trace)} if trace else {}))
@@ -226,18 +227,20 @@ def render_markdown(results: dict[str, Any]) -> str:
     lines = [f"# megactx engine profile: {m.get('gpu') or 'CPU'}", "",
              f"{m.get('date', '')}; torch {m.get('torch')}, triton {m.get('triton')}. Model `{results['model']}`; "
              f"{results['workload']} ({results['prompts']}). Per engine step: walls of a timed run, the rest from "
-             "a profiled run of the same prompts (kernel times summed, CUDA graph replays included).", ""]
+             "a profiled run of the same prompts (kernel times summed, CUDA graph replays included); each run "
+             "computes every prompt (no prefix cache).", ""]
     if results.get("ceilings"):
         lines += [ceilings_markdown(Ceilings.from_dict(results["ceilings"])), ""]
     summary = []
     for e in results["engines"]:
         device_ms = e["device_us_per_step"] / 1e3
-        summary.append([e["gamma"], e["steps"], fmt_num(e["wall_ms_per_step"]), fmt_num(device_ms),
+        summary.append([e["gamma"], e["steps"], fmt_num(e["wall_ms_per_step"]), fmt_num(e.get("step_ms_median")),
+                        fmt_num(device_ms),
                         f"{device_ms / e['wall_ms_per_step']:.0%}" if e["wall_ms_per_step"] else "–",
                         fmt_num(e["kernels_per_step"]), fmt_num(e["mean_acceptance_length"]),
                         fmt_num(e["output_tokens"] / e["wall_s"])])
-    lines += [md_table(["γ", "steps", "wall ms a step", "device ms a step", "device busy", "kernels a step",
-                        "acceptance length", "output tokens/s"], summary), ""]
+    lines += [md_table(["γ", "steps", "wall ms a step", "median step ms", "device ms a step", "device busy",
+                        "kernels a step", "acceptance length", "output tokens/s"], summary), ""]
     for e in results["engines"]:
         lines += [f"## γ = {e['gamma']}", "", "Parts of a step (host spans; a part that waits for the device "
                   "includes the wait):", "", _table(e.get("phases", []), "part"),
