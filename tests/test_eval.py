@@ -341,10 +341,18 @@ def test_eval_needles_command_runs_the_engine_and_writes_reports(checkpoint, dat
     code = main(["eval", "needles", "--model", str(checkpoint), "--contexts", "256", "--cases", "2", "--seed", "1",
                  "--tasks", "single", "--corpus", str(data.directory / "corpus"), "--out", str(out),
                  "--device", "cpu", "--trained-length", "256", "--depth-buckets", "2", "--index-cache-dtype", "fp8",
-                 "--hf-overrides", '{"rope_parameters": {"rope_theta": 20000}}', "--cases-per-haystack", "2"])
+                 "--hf-overrides", '{"rope_parameters": {"rope_theta": 20000}}', "--cases-per-haystack", "2",
+                 "--step-log", str(tmp_path / "steps.jsonl")])
     assert code == 0, capsys.readouterr().err
     report = json.loads((out / "needles.json").read_text())
     assert report["per_haystack"] == 2  # both cases in one haystack
+    # the step log: the first case prefills its whole prompt, the second only what its haystack's
+    # cached blocks leave (the prefix cache served the rest)
+    from megactx.engine.steplog import read
+
+    prefills = [r["tokens"] for r in read(tmp_path / "steps.jsonl") if r["prefill"]]
+    first, second = (o["prompt_tokens"] for o in report["outcomes"])
+    assert len(prefills) == 2 and prefills[0] == first and 0 < prefills[1] < second // 2
     # the figure says what computed it: FP8 indexer keys change which keys a query selects, and a
     # config override (here the rope base) changes the model
     assert report["engine"] == ("PyTorch twins of the kernels, MLA cache float32, indexer cache FP8, "

@@ -678,6 +678,9 @@ def add_eval_parser(subparsers: Any) -> None:
                    help="K single-needle cases share one haystack, which holds all their needles and differs "
                         "between them only in the question: prefix caching prefills it once, so 200 cases at 1M "
                         "cost 200/K prefills (the single task; default 1: a haystack each)")
+    n.add_argument("--step-log", metavar="PATH", default=None,
+                   help="append a JSON line for every engine step to PATH (its time and work: where a long "
+                        "context's time goes; `python -m megactx.engine.steplog PATH` summarizes it)")
     n.add_argument("--no-progress", action="store_true", help="no progress bar (it shows on a terminal only)")
     common(n, None)
     n.set_defaults(func=run_needles)
@@ -771,7 +774,7 @@ def run_needles(args: argparse.Namespace) -> int:
         llm = LLM(args.model, device=args.device, max_model_len=max(contexts), max_num_seqs=args.batch_size,
                   max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype,
                   index_cache_dtype=args.index_cache_dtype, hf_overrides=args.hf_overrides,
-                  gpu_memory_utilization=args.gpu_memory_utilization)
+                  gpu_memory_utilization=args.gpu_memory_utilization, step_log=args.step_log)
         report = evaluate_needles(EngineAnswerer(llm), generator, tasks, contexts, args.cases, args.seed,
                                   str(args.model), args.batch_size, args.depth_buckets, args.threshold,
                                   args.trained_length, log=tqdm.write, engine=engine_description(llm), shard=shard,
