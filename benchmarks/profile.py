@@ -194,7 +194,7 @@ def run_profiles(model_dir: Path, w: Workload, gammas: list[int], device: str, t
     results: dict[str, Any] = {"schema": 1, "machine": machine_info(device), "model": shown,
                                "workload": w.describe() + ("" if engine_args.get("cuda_graphs", True) else
                                                            ", no CUDA graphs"),
-                               "prompts": source, "top": top, "engines": [],
+                               "prompts": source, "top": top, "engines": [], "prefix_caching": False,
                                "ceilings": measure_machine_ceilings(device)}  # what the kernels' times compare with
     dev = torch.device(device)
     with tempfile.TemporaryDirectory() as tmp:
@@ -227,8 +227,9 @@ def render_markdown(results: dict[str, Any]) -> str:
     lines = [f"# megactx engine profile: {m.get('gpu') or 'CPU'}", "",
              f"{m.get('date', '')}; torch {m.get('torch')}, triton {m.get('triton')}. Model `{results['model']}`; "
              f"{results['workload']} ({results['prompts']}). Per engine step: walls of a timed run, the rest from "
-             "a profiled run of the same prompts (kernel times summed, CUDA graph replays included); each run "
-             "computes every prompt (no prefix cache).", ""]
+             "a profiled run of the same prompts (kernel times summed, CUDA graph replays included)"
+             + ("; each run computes every prompt (no prefix cache)." if results.get("prefix_caching") is False
+                else "."), ""]
     if results.get("ceilings"):
         lines += [ceilings_markdown(Ceilings.from_dict(results["ceilings"])), ""]
     summary = []
@@ -261,16 +262,20 @@ def plot(results: dict[str, Any], path: Path) -> bool:
     engines = results["engines"]
     fig, ax = plt.subplots(figsize=(9, 1.2 + 0.9 * len(engines)))
     for i, e in enumerate(engines):
-        ax.barh(i + 0.2, e["wall_ms_per_step"], height=0.35, color="lightgray", label="wall" if i == 0 else None)
+        wall = e.get("step_ms_median") or e["wall_ms_per_step"]  # the median step: a run's edges aside
+        ax.barh(i + 0.2, wall, height=0.35, color="lightgray", label="wall (median step)" if i == 0 else None)
         left = 0.0
-        for j, k in enumerate(e["kernels"][:6]):
+        for j, k in enumerate(e["kernels"]):  # the top kernels, then the rest as one: the device's time
             ms = k["us_per_step"] / 1e3
-            ax.barh(i - 0.2, ms, left=left, height=0.35, color=plt.cm.tab10(j % 10))
-            if ms > 0.04 * max(e["wall_ms_per_step"], 1e-9):
-                ax.text(left + ms / 2, i - 0.2, k["name"][:18], ha="center", va="center", fontsize=6)
+            rest = k["name"].startswith("other (")
+            ax.barh(i - 0.2, ms, left=left, height=0.35, color="darkgray" if rest else plt.cm.tab10(j % 10))
+            if ms > 0.1 * max(wall, 1e-9):
+                ax.text(left + ms / 2, i - 0.2, "other" if rest else k["name"][:14], ha="center", va="center",
+                        fontsize=6)
             left += ms
     ax.set_yticks(range(len(engines)), [f"γ = {e['gamma']}" for e in engines])
-    ax.set(xlabel="ms a step (gray: wall; colours: kernels, most first)", title=results["workload"][:90])
+    ax.set(xlabel="ms a step (gray: median wall; colours: device time by kernel, most first, then the rest)",
+           title=results["workload"][:90])
     ax.legend(fontsize=8)
     save_figure(fig, path)
     return True

@@ -111,6 +111,7 @@ def test_profile_of_a_prefill(ckpt, tmp_path):
     assert results["workload"].endswith("no CUDA graphs")
     # every run computes the whole prompt, in chunks of 64, as the warm-up did (no kernel meets a new shape)
     assert engine["steps"] == engine["profiled_steps"] == 3 and engine["output_tokens"] == 1
+    assert "no prefix cache" in (tmp_path / "profile-cpu.md").read_text()
 
 
 @pytest.mark.parametrize("extra, says", [(("--num-speculative-tokens", "-1"), "γ >= 0"),
