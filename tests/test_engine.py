@@ -169,6 +169,37 @@ def test_stop_token_ids_and_eos_end_the_request(model):
     assert out.token_ids == free[: free.index(free[3]) + 1] and out.outputs[0].finish_reason == "stop"
 
 
+@pytest.mark.usefixtures("one_torch_thread")
+def test_fused_projections_compute_the_same_with_fewer_gemms(model):
+    import copy
+
+    from megactx.model.attention import MLA
+    from megactx.model.moe import MLP
+
+    fused = copy.deepcopy(model)
+    assert fused.fuse_projections() > 0
+    # the weights are views of the fused ones: the same parameters by name, the same values
+    assert all(torch.equal(p, fused.state_dict()[name]) for name, p in model.state_dict().items())
+    attn = fused.model.layers[0].self_attn
+    assert attn.q_a_proj.weight.data_ptr() == attn.x_proj.data_ptr()
+    params = SamplingParams(temperature=0, max_tokens=3, logprobs=4)
+    prompt = _prompts([40])[0]
+
+    def run(m):
+        llm = LLM(m, device="cpu", num_blocks=16)
+        with torch.profiler.profile() as prof:
+            out = llm.generate([prompt], params, use_tqdm=False)[0]
+        return out, sum(e.name == "aten::linear" for e in prof.events())
+
+    (plain, plain_gemms), (out, gemms) = run(model), run(fused)
+    assert out.token_ids == plain.token_ids
+    for a, b in zip(out.outputs[0].logprobs, plain.outputs[0].logprobs):
+        assert abs(a.logprob - b.logprob) < 1e-5 and list(a.top) == list(b.top)
+    # three forwards of the backbone (the prefill, two decodes), each short of what fusing saved there
+    saved = sum(m.fuse() for m in fused.model.modules() if isinstance(m, (MLA, MLP)))
+    assert plain_gemms - gemms == 3 * saved
+
+
 def test_logprobs_are_the_reference_log_softmax(model):
     prompt = _prompts([15])[0]
     llm = LLM(model, device="cpu", num_blocks=16)

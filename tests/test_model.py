@@ -199,3 +199,26 @@ def test_bf16_model_keeps_router_and_indexer_weights_in_fp32():
     assert layer.self_attn.q_a_proj.weight.dtype == torch.bfloat16
     logits = model(ids(vocab=4096, seqlen=8))
     assert torch.isfinite(logits).all()
+
+
+def test_fuse_linears_makes_views_and_refuses_what_one_gemm_cannot_compute():
+    from torch import nn
+    from torch.nn import functional as F
+
+    from megactx.model.layers import fuse_linears
+
+    a, b = nn.Linear(8, 3, bias=False), nn.Linear(8, 5, bias=False)
+    wa, wb = a.weight.detach().clone(), b.weight.detach().clone()
+    fused = fuse_linears(a, b)
+    assert fused.shape == (8, 8) and torch.equal(a.weight, wa) and torch.equal(b.weight, wb)  # values kept
+    x = torch.randn(2, 8)
+    qa, qb = F.linear(x, fused).split([3, 5], dim=-1)
+    torch.testing.assert_close(qa, a(x))
+    torch.testing.assert_close(qb, b(x))
+    with torch.no_grad():
+        a.weight.add_(1.0)  # an update in place reaches the fused weight: one memory
+    assert torch.equal(fused[:3], a.weight)
+    plain = nn.Linear(8, 2, bias=False)
+    for other in (nn.Linear(8, 2), nn.Linear(8, 2, bias=False).double(), nn.Linear(4, 2, bias=False)):
+        before = plain.weight
+        assert fuse_linears(plain, other) is None and plain.weight is before  # a bias, a dtype, a width

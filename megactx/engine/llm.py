@@ -193,6 +193,7 @@ class LLM:
             from megactx.model.weights import load_model
 
             self.model = load_model(model, device=device, dtype=dtype, hf_overrides=hf_overrides)
+            self.model.fuse_projections()  # a model of its own: GEMMs that read one input become one
             source = Path(model)
         self.cfg = self.model.cfg
         self.hf_overrides = dict(hf_overrides or {})

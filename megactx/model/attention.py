@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megactx.config import ModelConfig
-from megactx.model.layers import RMSNorm, rope_first
+from megactx.model.layers import RMSNorm, fuse_linears, rope_first
 from megactx.model.paged import PagedLayerCache
 from megactx.model.quant import hadamard, quantize_rows
 
@@ -100,9 +100,11 @@ class Indexer(nn.Module):
 
     # The first rope_dim dims are rotated (the MLA query puts rope last; the indexer first). `rope`:
     # layers.rope_first or its fused kernel (the paged path passes its backend's).
-    def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope=rope_first) -> torch.Tensor:
-        """x: [B, S, D] -> k: [B, S, DI], what the indexer cache stores."""
-        return rope(self.k_norm(self.wk(x)), cos, sin, self.rope_interleave, self.rope_dim)
+    def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope=rope_first,
+             wk_x: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [B, S, D] -> k: [B, S, DI], what the indexer cache stores. wk_x: wk(x) when computed
+        already (in MLA's fused input projection)."""
+        return rope(self.k_norm(self.wk(x) if wk_x is None else wk_x), cos, sin, self.rope_interleave, self.rope_dim)
 
     def queries(self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 rope=rope_first) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,6 +158,8 @@ class MLA(nn.Module):
         self.kv_b_proj = nn.Linear(self.r, H * (self.dn + self.dv), bias=False)
         self.o_proj = nn.Linear(H * self.dv, cfg.hidden_size, bias=cfg.attention_bias)
         self.indexer = Indexer(cfg) if has_indexer else None
+        self.x_proj: torch.Tensor | None = None  # fused weights of the projections of x (fuse())
+        self.x_proj_sizes: list[int] = []
         self.absorbed = False  # which of the two equal forms forward() computes
         self.indexer_fp8 = False  # simulate the FP8 indexer instead of the exact one
         # Opt-in training path: a callable (module, *forward's arguments) -> forward's result that
@@ -165,18 +169,29 @@ class MLA(nn.Module):
         self.training_attention = None
 
     # -- projections ------------------------------------------------------------------
-    def project_q(self, x, cos, sin, rope=rope_first):
+    def fuse(self) -> int:
+        """Compute the projections that read x (q_a_proj, kv_a_proj_with_mqa and the indexer's wk)
+        as one GEMM in the paged forward from now on (the engine's inference; their weights become
+        views of one tensor). Returns the GEMMs a paged forward that writes KV saves."""
+        if self.x_proj is None:
+            linears = [self.q_a_proj, self.kv_a_proj_with_mqa] + ([self.indexer.wk] if self.indexer else [])
+            self.x_proj = fuse_linears(*linears)
+            self.x_proj_sizes = [m.weight.shape[0] for m in linears]
+        return len(self.x_proj_sizes) - 1 if self.x_proj is not None else 0
+
+    def project_q(self, x, cos, sin, rope=rope_first, q_a_x=None):
         """x: [B, S, D] -> q_resid [B, S, q_lora], q_nope [B, S, H, dn], q_pe [B, S, H, dr] (roped by
-        `rope`: layers.rope_first or its fused kernel)."""
+        `rope`: layers.rope_first or its fused kernel). q_a_x: q_a_proj(x) when computed already."""
         B, S, _ = x.shape
-        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q_resid = self.q_a_layernorm(self.q_a_proj(x) if q_a_x is None else q_a_x)
         q = self.q_b_proj(q_resid).view(B, S, self.n_heads, self.dn + self.dr)
         q_nope, q_pe = q.split([self.dn, self.dr], dim=-1)
         return q_resid, q_nope, rope(q_pe, cos, sin, self.cfg.rope_interleave)
 
-    def project_kv(self, x, cos, sin, rope=rope_first):
-        """x: [B, S, D] -> c [B, S, r] (normed latent), k_pe [B, S, dr] (roped): the MLA cache entry."""
-        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.r, self.dr], dim=-1)
+    def project_kv(self, x, cos, sin, rope=rope_first, kv_a_x=None):
+        """x: [B, S, D] -> c [B, S, r] (normed latent), k_pe [B, S, dr] (roped): the MLA cache entry.
+        kv_a_x: kv_a_proj_with_mqa(x) when computed already."""
+        c, k_pe = (self.kv_a_proj_with_mqa(x) if kv_a_x is None else kv_a_x).split([self.r, self.dr], dim=-1)
         return self.kv_a_layernorm(c), rope(k_pe, cos, sin, self.cfg.rope_interleave)
 
     def wkv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -260,13 +275,16 @@ class MLA(nn.Module):
         the indexer unless `topk` [T, K] is given (shared layers, KVShare steps), and attends in the
         absorbed form through cache.ops. Returns (out [1, T, D], topk slots [T, K] int32, -1 = none)."""
         batch, ops = cache.batch, cache.ops
-        q_resid, q_nope, q_pe = self.project_q(x, cos, sin, ops.rope)  # [1, T, q_lora], [1, T, H, dn], [1, T, H, dr]
+        # x's projections in one GEMM when fused (a draft step that writes no KV needs only q's)
+        fused = F.linear(x, self.x_proj).split(self.x_proj_sizes, dim=-1) if write_kv and self.x_proj is not None \
+            else (None, None, None)
+        q_resid, q_nope, q_pe = self.project_q(x, cos, sin, ops.rope, fused[0])  # [1, T, q_lora], [1, T, H, dn|dr]
         fp8_index = cache.index is not None and cache.index.dtype == torch.uint8
         if write_kv:
-            c, k_pe = self.project_kv(x, cos, sin, ops.rope)  # [1, T, r], [1, T, dr]
+            c, k_pe = self.project_kv(x, cos, sin, ops.rope, fused[1])  # [1, T, r], [1, T, dr]
             index_k = None
             if self.indexer is not None and cache.index is not None:
-                index_k = self.indexer.keys(x, cos, sin, ops.rope)[0]  # [T, DI]
+                index_k = self.indexer.keys(x, cos, sin, ops.rope, fused[2] if len(fused) > 2 else None)[0]  # [T, DI]
                 if fp8_index:  # rotated before quantization, as in Indexer.scores(fp8=True)
                     index_k = index_k.float() @ self.indexer.rotation(x.device)
             ops.write_kv(c[0], k_pe[0], batch.slots, cache.kv, index_k, cache.index)

@@ -27,6 +27,23 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
+def fuse_linears(*linears: nn.Linear) -> torch.Tensor | None:
+    """One weight [sum of N_i, D] for bias-free linears that read the same input, so that one GEMM
+    computes all of them (a launch-bound decode step pays per GEMM, not per FLOP): their weights
+    become views of it, the same values in the same memory, so nothing else changes and in-place
+    updates of either reach both. None (nothing changed) if they cannot share one: a bias, another
+    dtype, device or input width, or a subclass (quantized linears). F.linear(x, fused).split(
+    [N_i]) then gives each one's output."""
+    first = linears[0].weight
+    if any(type(m) is not nn.Linear or m.bias is not None or m.weight.dtype != first.dtype
+           or m.weight.device != first.device or m.weight.shape[1] != first.shape[1] for m in linears):
+        return None
+    fused = torch.cat([m.weight.detach() for m in linears])  # [sum N_i, D]
+    for m, part in zip(linears, fused.split([m.weight.shape[0] for m in linears])):
+        m.weight = nn.Parameter(part, requires_grad=m.weight.requires_grad)
+    return fused
+
+
 def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [qk_rope_head_dim / 2] fp32 and the cos/sin magnitude factor.
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megactx.config import ModelConfig
+from megactx.model.layers import fuse_linears
 
 
 class MLP(nn.Module):
@@ -22,8 +23,19 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up: torch.Tensor | None = None  # [2I, D]: gate_proj's and up_proj's weights, fused
+
+    def fuse(self) -> int:
+        """Compute gate_proj and up_proj as one GEMM from now on (the engine's inference; the
+        weights become views of one tensor). Returns the GEMMs a forward saves."""
+        if self.gate_up is None:
+            self.gate_up = fuse_linears(self.gate_proj, self.up_proj)
+        return int(self.gate_up is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None:
+            gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
