@@ -408,3 +408,26 @@ def rejection_rows(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft
     col = torch.arange(width + 1, device=draft_tokens.device)[None, :]  # [1, K + 1]
     tokens = torch.cat([draft_tokens, last[:, None]], dim=1).scatter_(1, num_accepted[:, None], last[:, None])
     return tokens.masked_fill_(col > num_accepted[:, None], pad), num_accepted
+
+
+def moe_route(logits: torch.Tensor, bias: torch.Tensor, k: int, scaling: float, norm_topk_prob: bool,
+              n_group: int = 1, topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 / GLM-5 routing (sigmoid scores, noaux_tc): router logits [N, E] fp32, the
+    score-correction bias [E] fp32 -> (weights [N, k] fp32, expert ids [N, k] int64). Experts are
+    chosen by score + bias (among the topk_group best groups of n_group, by each group's two best),
+    weighted by their score alone, normalised over the k when norm_topk_prob, times scaling. The
+    order of a row's k is unspecified. Twin of `megactx.kernels.moe_route.moe_route` (n_group 1)."""
+    scores = logits.sigmoid()  # [N, E]
+    choice = scores + bias
+    if n_group > 1:
+        E = choice.shape[-1]
+        grouped = choice.view(-1, n_group, E // n_group)  # [N, G, E/G]
+        group_worth = grouped.topk(2, dim=-1).values.sum(-1)  # [N, G]
+        keep = torch.zeros_like(group_worth, dtype=torch.bool)
+        keep.scatter_(1, group_worth.topk(topk_group, dim=-1, sorted=False).indices, True)
+        choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(-1, E)
+    ids = choice.topk(k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megactx.config import ModelConfig
+from megactx.kernels import reference as ref
 from megactx.model.layers import fuse_linears
 
 
@@ -49,22 +50,23 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.zeros(self.n_experts, cfg.hidden_size, dtype=torch.float32))
         self.e_score_correction_bias = nn.Parameter(torch.zeros(self.n_experts, dtype=torch.float32),
                                                     requires_grad=False)
+        self.fused = False  # route with the Triton kernel (fuse())
+
+    def fuse(self) -> int:
+        """Route with one Triton kernel on CUDA from now on, outside autograd (the engine's inference;
+        ungrouped routing only). No GEMM saved: the count `Transformer.fuse_projections` returns."""
+        self.fused = self.n_group == 1
+        return 0
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N, D] -> (weights [N, top_k] fp32, expert ids [N, top_k] int64)."""
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [N, E]
-        choice = scores + self.e_score_correction_bias
-        if self.n_group > 1:
-            grouped = choice.view(-1, self.n_group, self.n_experts // self.n_group)  # [N, G, E/G]
-            group_worth = grouped.topk(2, dim=-1).values.sum(-1)  # [N, G]
-            keep = torch.zeros_like(group_worth, dtype=torch.bool)
-            keep.scatter_(1, group_worth.topk(self.topk_group, dim=-1, sorted=False).indices, True)
-            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(-1, self.n_experts)
-        ids = choice.topk(self.top_k, dim=-1, sorted=False).indices
-        weights = scores.gather(1, ids)
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * self.scaling, ids
+        logits = F.linear(x.float(), self.weight.float())  # [N, E]
+        if self.fused and logits.is_cuda and not torch.is_grad_enabled():
+            from megactx.kernels.moe_route import moe_route
+
+            return moe_route(logits, self.e_score_correction_bias, self.top_k, self.scaling, self.norm_topk_prob)
+        return ref.moe_route(logits, self.e_score_correction_bias, self.top_k, self.scaling, self.norm_topk_prob,
+                             self.n_group, self.topk_group)
 
 
 DENSE_EXPERTS_MAX_RATIO = 4  # on CUDA, every expert on every token while E <= this × top_k

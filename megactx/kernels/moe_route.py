@@ -1,0 +1,77 @@
+"""MoE routing in one kernel: what `reference.moe_route` (its twin) does in ~9 PyTorch kernels.
+
+The router's GEMM stays cuBLAS's; after it, a token's experts are its top k of sigmoid(logits) +
+bias, weighted by sigmoid(logits), normalised over the k and scaled: sigmoid, add, top-k, gather,
+sum, add, div and mul in PyTorch. A decode step of a small MoE model is bound by its kernel count
+(and a CUDA graph's launch by its node count), and this runs once a MoE layer. Here: BLOCK_N tokens a
+program, every expert of a token in registers (E <= 1024), k rounds of max-and-mask; fp32 throughout,
+the twin's operations in its order. Ties in score + bias go to the lowest expert id. Only the
+ungrouped form (n_group = 1: GLM-5.x, megactx-tiny); grouped routing (DeepSeek-V3.2) stays on the twin.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from megactx.kernels.common import check_device
+
+MAX_EXPERTS = 1024  # a token's experts sit in one program's registers
+
+
+@triton.jit
+def _route_kernel(logits_ptr, stride_l, bias_ptr, w_ptr, ids_ptr, N, E, scaling,
+                  K: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    e = tl.arange(0, BLOCK_E)
+    live = rows < N
+    mask = live[:, None] & (e[None, :] < E)
+    logits = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_l + e[None, :], mask=mask, other=0.0)
+    scores = 1.0 / (1.0 + tl.exp(-logits))  # sigmoid, [BLOCK_N, BLOCK_E]
+    bias = tl.load(bias_ptr + e, mask=e < E, other=0.0)
+    choice = tl.where(mask, scores + bias[None, :], float("-inf"))
+    kk = tl.arange(0, BLOCK_K)[None, :]
+    weights = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    ids = tl.zeros([BLOCK_N, BLOCK_K], tl.int64)
+    total = tl.zeros([BLOCK_N], tl.float32)
+    for j in tl.static_range(K):
+        best = tl.max(choice, axis=1)
+        pick = tl.min(tl.where(choice == best[:, None], e[None, :], BLOCK_E), axis=1)  # lowest id of the ties
+        hit = e[None, :] == pick[:, None]
+        w = tl.sum(tl.where(hit, scores, 0.0), axis=1)
+        weights = tl.where(kk == j, w[:, None], weights)
+        ids = tl.where(kk == j, pick[:, None].to(tl.int64), ids)
+        total += w
+        choice = tl.where(hit, float("-inf"), choice)
+    if NORM:
+        weights = weights / (total[:, None] + 1e-20)
+    out = rows[:, None].to(tl.int64) * K + kk
+    keep = live[:, None] & (kk < K)
+    tl.store(w_ptr + out, weights * scaling, mask=keep)
+    tl.store(ids_ptr + out, ids, mask=keep)
+
+
+def moe_route(logits: torch.Tensor, bias: torch.Tensor, k: int, scaling: float,
+              norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, E] fp32 (rows contiguous), bias [E] fp32 -> (weights [N, k] fp32, ids [N, k]
+    int64, each row's experts by descending score + bias). Arguments as in the twin,
+    `megactx.kernels.reference.moe_route` (n_group 1)."""
+    check_device(logits, bias)
+    N, E = logits.shape
+    if logits.dtype != torch.float32 or bias.dtype != torch.float32 or logits.stride(-1) != 1:
+        raise ValueError(f"moe_route takes fp32 logits with contiguous rows and an fp32 bias, got {logits.dtype} "
+                         f"(strides {logits.stride()}) and {bias.dtype}")
+    if not 1 <= k <= E <= MAX_EXPERTS or bias.shape != (E,):
+        raise ValueError(f"moe_route needs 1 <= k <= E <= {MAX_EXPERTS} and a bias of E values; got k = {k}, "
+                         f"logits {tuple(logits.shape)}, bias {tuple(bias.shape)}")
+    weights = torch.empty(N, k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(N, k, dtype=torch.int64, device=logits.device)
+    if N:
+        block_e = triton.next_power_of_2(E)
+        block_n = max(1, min(16, 4096 // block_e))  # a program's scores stay ~4K values
+        _route_kernel[(triton.cdiv(N, block_n),)](logits, logits.stride(0), bias, weights, ids, N, E, float(scaling),
+                                                  K=k, NORM=norm_topk_prob, BLOCK_N=block_n, BLOCK_E=block_e,
+                                                  BLOCK_K=triton.next_power_of_2(k))
+    return weights, ids

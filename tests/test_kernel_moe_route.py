@@ -1,0 +1,77 @@
+"""The MoE routing kernel against its twin `megactx.kernels.reference.moe_route` (fp32 both: the
+same experts, the same weights up to rounding). Without a GPU the kernel runs in the Triton
+interpreter (set by conftest) on small shapes; GLM-5.2's 256 experts, top 8, run there too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megactx.kernels import reference as ref
+from megactx.kernels.moe_route import moe_route
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _by_expert(weights, ids):
+    """A row's (ids, weights) sorted by expert id: the twin's order is unspecified."""
+    order = ids.argsort(dim=-1)
+    return ids.gather(1, order), weights.gather(1, order)
+
+
+@pytest.mark.parametrize("N, E, k, norm", [(5, 4, 2, True),      # megactx-tiny
+                                           (37, 256, 8, True),   # GLM-5.2, rows past a block's
+                                           (9, 10, 3, False),    # E not a power of two, unnormalised
+                                           (3, 6, 6, True),      # every expert
+                                           (0, 8, 2, True)])     # no tokens
+def test_routes_as_the_twin(N, E, k, norm):
+    g = torch.Generator().manual_seed(N * 1000 + E)
+    logits = (torch.randn(N, E, generator=g) * 2).to(DEVICE)
+    bias = (torch.randn(E, generator=g) * 0.1).to(DEVICE)
+    weights, ids = moe_route(logits, bias, k, 2.5, norm)
+    want_w, want_ids = ref.moe_route(logits, bias, k, 2.5, norm)
+    assert weights.shape == ids.shape == (N, k) and ids.dtype == torch.int64 and weights.dtype == torch.float32
+    got_ids, got_w = _by_expert(weights, ids)
+    ref_ids, ref_w = _by_expert(want_w, want_ids)
+    assert torch.equal(got_ids, ref_ids)
+    torch.testing.assert_close(got_w, ref_w, rtol=1e-6, atol=1e-6)
+    if N:  # the kernel's order: descending score + bias
+        choice = torch.sigmoid(logits) + bias
+        assert (choice.gather(1, ids).diff(dim=-1) <= 0).all()
+
+
+def test_ties_go_to_the_lowest_expert():
+    logits = torch.zeros(2, 6, device=DEVICE)  # every score 0.5; the bias makes experts 1, 3 and 4 tie
+    bias = torch.tensor([0.0, 0.2, 0.0, 0.2, 0.2, 0.0], device=DEVICE)
+    weights, ids = moe_route(logits, bias, 2, 1.0, True)
+    assert ids.tolist() == [[1, 3], [1, 3]]
+    torch.testing.assert_close(weights, torch.full((2, 2), 0.5, device=DEVICE))
+
+
+def test_refuses_what_it_does_not_compute():
+    logits, bias = torch.zeros(2, 4, device=DEVICE), torch.zeros(4, device=DEVICE)
+    with pytest.raises(ValueError, match="fp32 logits"):
+        moe_route(logits.bfloat16(), bias, 2, 1.0, True)
+    with pytest.raises(ValueError, match="1 <= k <= E"):
+        moe_route(logits, bias, 5, 1.0, True)
+    with pytest.raises(ValueError, match="bias of E values"):
+        moe_route(logits, torch.zeros(3, device=DEVICE), 2, 1.0, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_fused_router_routes_as_the_reference_on_cuda():
+    from megactx import ModelConfig
+    from megactx.model.moe import Router
+
+    cfg = ModelConfig.from_pretrained("glm-5.2").replace(hidden_size=512)
+    router = Router(cfg).cuda()
+    torch.nn.init.normal_(router.weight, std=0.05)
+    torch.nn.init.normal_(router.e_score_correction_bias, std=0.01)
+    x = torch.randn(300, 512, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = router(x)
+        router.fuse()
+        got = router(x)
+    for a, b in zip(_by_expert(*got), _by_expert(*want)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
