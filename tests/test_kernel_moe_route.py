@@ -28,8 +28,12 @@ def test_routes_as_the_twin(N, E, k, norm):
     g = torch.Generator().manual_seed(N * 1000 + E)
     logits = (torch.randn(N, E, generator=g) * 2).to(DEVICE)
     bias = (torch.randn(E, generator=g) * 0.1).to(DEVICE)
-    weights, ids = moe_route(logits, bias, k, 2.5, norm)
+    dense = torch.full((N, E), float("nan"), device=DEVICE)  # every value must be written
+    weights, ids = moe_route(logits, bias, k, 2.5, norm, dense)
     want_w, want_ids = ref.moe_route(logits, bias, k, 2.5, norm)
+    # the every-expert form's weights: the routed weights scattered, 0 elsewhere, as Experts would build them
+    torch.testing.assert_close(dense, torch.zeros(N, E, device=DEVICE).scatter(1, want_ids, want_w),
+                               rtol=1e-6, atol=1e-6)
     assert weights.shape == ids.shape == (N, k) and ids.dtype == torch.int64 and weights.dtype == torch.float32
     got_ids, got_w = _by_expert(weights, ids)
     ref_ids, ref_w = _by_expert(want_w, want_ids)
@@ -54,6 +58,8 @@ def test_refuses_what_it_does_not_compute():
         moe_route(logits.bfloat16(), bias, 2, 1.0, True)
     with pytest.raises(ValueError, match="1 <= k <= E"):
         moe_route(logits, bias, 5, 1.0, True)
+    with pytest.raises(ValueError, match="dense must be"):
+        moe_route(logits, bias, 2, 1.0, True, torch.zeros(2, 3, device=DEVICE))
     with pytest.raises(ValueError, match="bias of E values"):
         moe_route(logits, torch.zeros(3, device=DEVICE), 2, 1.0, True)
 
@@ -75,3 +81,22 @@ def test_a_fused_router_routes_as_the_reference_on_cuda():
         got = router(x)
     for a, b in zip(_by_expert(*got), _by_expert(*want)):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_fused_moe_computes_as_the_reference_on_cuda():
+    from megactx import ModelConfig
+    from megactx.model.moe import MoE
+
+    cfg = ModelConfig.from_pretrained("tiny")
+    moe = MoE(cfg).cuda()
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    x = torch.randn(2, 33, cfg.hidden_size, device="cuda")
+    assert moe.experts.runs_dense(x)  # few experts: every expert on every token, weights from the kernel
+    with torch.no_grad():
+        want = moe(x)
+        moe.gate.fuse()
+        got = moe(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -86,10 +86,13 @@ def test_every_expert_on_every_token_equals_the_routed_loop():
     assert not Experts(cfg.replace(n_routed_experts=256, num_experts_per_tok=8)).dense_on_cuda
     x = torch.randn(64, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     results = []
-    for forward in (Experts.forward, Experts._forward_dense):
+    for dense_form in (False, True):
         experts.zero_grad()
         weights, ids = router(x)
-        out = forward(experts, x, weights, ids)
+        if dense_form:  # each expert's routing weight, 0 where not routed
+            out = experts._forward_dense(x, torch.zeros(len(x), cfg.n_routed_experts).scatter(1, ids, weights))
+        else:
+            out = experts(x, weights, ids)
         out.square().sum().backward()
         results.append((out.detach(), experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone()))
     for routed, dense in zip(*results):
@@ -98,7 +101,7 @@ def test_every_expert_on_every_token_equals_the_routed_loop():
     torch.nn.init.normal_(many.gate_up_proj, std=0.05)
     torch.nn.init.normal_(many.down_proj, std=0.05)
     weights, ids = Router(cfg.replace(n_routed_experts=20, num_experts_per_tok=4))(x)
-    routed, dense = many(x, weights, ids), many._forward_dense(x, weights, ids)
+    routed, dense = many(x, weights, ids), many._forward_dense(x, torch.zeros(len(x), 20).scatter(1, ids, weights))
     torch.testing.assert_close(dense, routed, rtol=1e-4, atol=1e-4 * routed.abs().max().item())
 
 

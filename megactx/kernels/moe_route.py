@@ -21,9 +21,9 @@ MAX_EXPERTS = 1024  # a token's experts sit in one program's registers
 
 
 @triton.jit
-def _route_kernel(logits_ptr, stride_l, bias_ptr, w_ptr, ids_ptr, N, E, scaling,
-                  K: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
+def _route_kernel(logits_ptr, stride_l, bias_ptr, w_ptr, ids_ptr, dense_ptr, N, E, scaling,
+                  K: tl.constexpr, NORM: tl.constexpr, DENSE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     e = tl.arange(0, BLOCK_E)
     live = rows < N
@@ -36,6 +36,7 @@ def _route_kernel(logits_ptr, stride_l, bias_ptr, w_ptr, ids_ptr, N, E, scaling,
     weights = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     ids = tl.zeros([BLOCK_N, BLOCK_K], tl.int64)
     total = tl.zeros([BLOCK_N], tl.float32)
+    picked = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)  # each chosen expert's score, 0 elsewhere
     for j in tl.static_range(K):
         best = tl.max(choice, axis=1)
         pick = tl.min(tl.where(choice == best[:, None], e[None, :], BLOCK_E), axis=1)  # lowest id of the ties
@@ -44,20 +45,26 @@ def _route_kernel(logits_ptr, stride_l, bias_ptr, w_ptr, ids_ptr, N, E, scaling,
         weights = tl.where(kk == j, w[:, None], weights)
         ids = tl.where(kk == j, pick[:, None].to(tl.int64), ids)
         total += w
+        picked = tl.where(hit, scores, picked)
         choice = tl.where(hit, float("-inf"), choice)
     if NORM:
         weights = weights / (total[:, None] + 1e-20)
+        picked = picked / (total[:, None] + 1e-20)
+    if DENSE:  # the routing weight of every expert, 0 where not routed: what the every-expert form reads
+        tl.store(dense_ptr + rows[:, None].to(tl.int64) * E + e[None, :], picked * scaling, mask=mask)
     out = rows[:, None].to(tl.int64) * K + kk
     keep = live[:, None] & (kk < K)
     tl.store(w_ptr + out, weights * scaling, mask=keep)
     tl.store(ids_ptr + out, ids, mask=keep)
 
 
-def moe_route(logits: torch.Tensor, bias: torch.Tensor, k: int, scaling: float,
-              norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_route(logits: torch.Tensor, bias: torch.Tensor, k: int, scaling: float, norm_topk_prob: bool,
+              dense: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [N, E] fp32 (rows contiguous), bias [E] fp32 -> (weights [N, k] fp32, ids [N, k]
     int64, each row's experts by descending score + bias). Arguments as in the twin,
-    `megactx.kernels.reference.moe_route` (n_group 1)."""
+    `megactx.kernels.reference.moe_route` (n_group 1). dense: an [N, E] fp32 tensor to fill with
+    every expert's routing weight, 0 where not routed (what `Experts` computing every expert
+    reads; the twin's caller scatters it)."""
     check_device(logits, bias)
     N, E = logits.shape
     if logits.dtype != torch.float32 or bias.dtype != torch.float32 or logits.stride(-1) != 1:
@@ -66,12 +73,15 @@ def moe_route(logits: torch.Tensor, bias: torch.Tensor, k: int, scaling: float,
     if not 1 <= k <= E <= MAX_EXPERTS or bias.shape != (E,):
         raise ValueError(f"moe_route needs 1 <= k <= E <= {MAX_EXPERTS} and a bias of E values; got k = {k}, "
                          f"logits {tuple(logits.shape)}, bias {tuple(bias.shape)}")
+    if dense is not None and (dense.shape != (N, E) or dense.dtype != torch.float32 or not dense.is_contiguous()):
+        raise ValueError(f"dense must be a contiguous fp32 [{N}, {E}] tensor, got {dense.dtype} {tuple(dense.shape)}")
     weights = torch.empty(N, k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(N, k, dtype=torch.int64, device=logits.device)
     if N:
         block_e = triton.next_power_of_2(E)
         block_n = max(1, min(16, 4096 // block_e))  # a program's scores stay ~4K values
-        _route_kernel[(triton.cdiv(N, block_n),)](logits, logits.stride(0), bias, weights, ids, N, E, float(scaling),
-                                                  K=k, NORM=norm_topk_prob, BLOCK_N=block_n, BLOCK_E=block_e,
-                                                  BLOCK_K=triton.next_power_of_2(k))
+        _route_kernel[(triton.cdiv(N, block_n),)](logits, logits.stride(0), bias, weights, ids,
+                                                  weights if dense is None else dense, N, E, float(scaling),
+                                                  K=k, NORM=norm_topk_prob, DENSE=dense is not None,
+                                                  BLOCK_N=block_n, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(k))
     return weights, ids

@@ -58,13 +58,18 @@ class Router(nn.Module):
         self.fused = self.n_group == 1
         return 0
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [N, D] -> (weights [N, top_k] fp32, expert ids [N, top_k] int64)."""
+    def uses_kernel(self, x: torch.Tensor) -> bool:
+        return self.fused and x.is_cuda and not torch.is_grad_enabled()
+
+    def forward(self, x: torch.Tensor, dense: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [N, D] -> (weights [N, top_k] fp32, expert ids [N, top_k] int64). dense: an [N, E]
+        fp32 tensor the kernel fills with every expert's weight (only where `uses_kernel(x)`)."""
         logits = F.linear(x.float(), self.weight.float())  # [N, E]
-        if self.fused and logits.is_cuda and not torch.is_grad_enabled():
+        if self.uses_kernel(x):
             from megactx.kernels.moe_route import moe_route
 
-            return moe_route(logits, self.e_score_correction_bias, self.top_k, self.scaling, self.norm_topk_prob)
+            return moe_route(logits, self.e_score_correction_bias, self.top_k, self.scaling, self.norm_topk_prob,
+                             dense)
         return ref.moe_route(logits, self.e_score_correction_bias, self.top_k, self.scaling, self.norm_topk_prob,
                              self.n_group, self.topk_group)
 
@@ -86,8 +91,14 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, D, I))
         self.dense_on_cuda = E <= DENSE_EXPERTS_MAX_RATIO * cfg.num_experts_per_tok
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def runs_dense(self, x: torch.Tensor) -> bool:
+        """Whether forward(x) computes every expert on every token (see forward)."""
+        return x.is_cuda and (self.dense_on_cuda or torch.cuda.is_current_stream_capturing())
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                dense: torch.Tensor | None = None) -> torch.Tensor:
         """x: [N, D], weights/ids: [N, top_k] -> [N, D]. Loops over the experts that got tokens.
+        dense: [N, E] fp32, every expert's weight (0 where not routed) when the router made it.
 
         Asking which experts got tokens is a host sync per expert, which leaves a GPU idle while
         the host catches up. So on CUDA, for models with few experts (E <= 4 × top_k: megactx-tiny,
@@ -95,8 +106,11 @@ class Experts(nn.Module):
         weight where unrouted: E / top_k times the expert FLOPs and no sync. The H200 dense stage of
         megactx-tiny (16 × 2048 tokens a step) took 0.107 s a step this way, 0.188 s routed. Not for
         GLM-5-size expert counts (256 of top-8), outside capture."""
-        if x.is_cuda and (self.dense_on_cuda or torch.cuda.is_current_stream_capturing()):
-            return self._forward_dense(x, weights, ids)
+        if self.runs_dense(x):
+            if dense is None:
+                dense = torch.zeros(x.shape[0], self.gate_up_proj.shape[0], dtype=torch.float32, device=x.device)
+                dense.scatter_(1, ids, weights.float())  # [N, E] routing weight, 0 where not routed
+            return self._forward_dense(x, dense)
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():
             token, slot = (ids == e).nonzero(as_tuple=True)
@@ -105,14 +119,12 @@ class Experts(nn.Module):
             out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
         return out
 
-    def _forward_dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _forward_dense(self, x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
         """Every expert on every token, EXPERT_GROUP experts side by side in two GEMMs (a handful of
         kernels, where a loop over the experts launched ~7 an expert: most of a graphed decode
         step's kernels). Σ_e w[n, e] · down_e(a[n, e]) = [w[n, e] · a[n, e]]_e @ [down_e]_e."""
         E, two_i, D = self.gate_up_proj.shape
         I = two_i // 2
-        dense = torch.zeros(x.shape[0], E, dtype=torch.float32, device=x.device)
-        dense.scatter_(1, ids, weights.float())  # [N, E] routing weight, 0 where not routed
         out = None
         for e0 in range(0, E, EXPERT_GROUP):  # groups bound the [N, G·2I] activations of many-expert models
             g = min(EXPERT_GROUP, E - e0)
@@ -135,6 +147,9 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [B, S, D]
         flat = x.reshape(-1, x.shape[-1])
-        weights, ids = self.gate(flat)
-        out = self.experts(flat, weights, ids).view_as(x)
+        dense = None  # every expert's weight, made by the routing kernel when the experts run densely
+        if self.gate.uses_kernel(flat) and self.experts.runs_dense(flat):
+            dense = torch.empty(flat.shape[0], self.gate.n_experts, dtype=torch.float32, device=flat.device)
+        weights, ids = self.gate(flat, dense)
+        out = self.experts(flat, weights, ids, dense).view_as(x)
         return out if self.shared_experts is None else out + self.shared_experts(x)
