@@ -193,7 +193,8 @@ def run_profiles(model_dir: Path, w: Workload, gammas: list[int], device: str, t
     shown = os.path.relpath(model_dir) if Path(model_dir).resolve().is_relative_to(Path.cwd()) else str(model_dir)
     results: dict[str, Any] = {"schema": 1, "machine": machine_info(device), "model": shown,
                                "workload": w.describe() + ("" if engine_args.get("cuda_graphs", True) else
-                                                           ", no CUDA graphs"),
+                                                           ", no CUDA graphs")
+                               + ("" if engine_args.get("fuse", True) else ", unfused (LLM(fuse=False))"),
                                "prompts": source, "top": top, "engines": [], "prefix_caching": False,
                                "ceilings": measure_machine_ceilings(device)}  # what the kernels' times compare with
     dev = torch.device(device)
@@ -305,6 +306,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run the engine's steps eagerly (each kernel launched by the host), e.g. to see what a "
                         "graph replay holds")
+    p.add_argument("--no-fuse", dest="fuse", action="store_false",
+                   help="the engine without its fused GEMMs and routing kernel (LLM(fuse=False)): what they save")
     p.add_argument("--trace", action="store_true", help="also write a Chrome/Perfetto trace per engine into --out")
     p.add_argument("--out", type=Path, default=None, help=f"directory for the reports (default: {RESULTS_DIR})")
     p.add_argument("--from-json", type=Path, default=None, metavar="FILE",
@@ -335,7 +338,7 @@ def run(args: argparse.Namespace) -> int:
         out = args.out or RESULTS_DIR
         out.mkdir(parents=True, exist_ok=True)
         engine_args = {"max_num_batched_tokens": args.max_num_batched_tokens, "hf_overrides": args.hf_overrides,
-                       "cuda_graphs": args.cuda_graphs}
+                       "cuda_graphs": args.cuda_graphs, "fuse": args.fuse}
         results = run_profiles(path, w, args.num_speculative_tokens, device, args.top, out if args.trace else None,
                                engine_args, progress)
     except (ValueError, OSError) as e:

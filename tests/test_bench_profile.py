@@ -105,10 +105,11 @@ def test_profile_runs_the_engines_and_writes_the_reports(ckpt, tmp_path, capsys)
 
 def test_profile_of_a_prefill(ckpt, tmp_path):
     # 150 tokens: two full KV blocks, which a prefix cache would hand the timed and profiled runs
-    assert main(_args(ckpt, tmp_path, "--prefill", "150", "--max-num-batched-tokens", "64", "--no-cuda-graphs")) == 0
+    assert main(_args(ckpt, tmp_path, "--prefill", "150", "--max-num-batched-tokens", "64", "--no-cuda-graphs",
+                      "--no-fuse")) == 0
     results = json.loads((tmp_path / "profile-cpu.json").read_text())
     (engine,) = results["engines"]
-    assert results["workload"].endswith("no CUDA graphs")
+    assert results["workload"].endswith("no CUDA graphs, unfused (LLM(fuse=False))")
     # every run computes the whole prompt, in chunks of 64, as the warm-up did (no kernel meets a new shape)
     assert engine["steps"] == engine["profiled_steps"] == 3 and engine["output_tokens"] == 1
     assert "no prefix cache" in (tmp_path / "profile-cpu.md").read_text()

@@ -595,3 +595,14 @@ def test_cuda_graph_decode_matches_eager_decode(model):
             assert replayed.token_ids == eager.token_ids
     finally:
         model.to("cpu")
+
+
+def test_the_engine_fuses_the_checkpoints_it_loads_unless_asked_not_to(tmp_path):
+    from megactx.testing import make_random_checkpoint
+
+    path = make_random_checkpoint(tmp_path / "ckpt", num_hidden_layers=2, vocab_size=256)
+    fused = LLM(path, device="cpu", num_blocks=8).model
+    plain = LLM(path, device="cpu", num_blocks=8, fuse=False).model
+    assert all(a.x_proj is not None for a in fused.attention_modules())
+    assert all(a.x_proj is None for a in plain.attention_modules())
+    assert all(torch.equal(p, plain.state_dict()[name]) for name, p in fused.state_dict().items())

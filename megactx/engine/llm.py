@@ -157,6 +157,9 @@ class LLM:
     warm_up: before the first request, run the step shapes that serving meets (see `warm_up`), so
     that no request waits for a CUDA graph capture or a Triton compile (default: on CUDA).
     step_log: a file that gets a JSON line for every step (megactx.engine.steplog).
+    fuse: a checkpoint's model computes the linears that read one input as one GEMM and routes MoE
+        tokens with one kernel (`Transformer.fuse_projections`); False keeps its modules as loaded
+        (to measure what fusing saves). A model passed in is never changed.
     seed: the random streams of requests without a seed of their own (drawn in arrival order), so a
     run of the engine is reproducible as a whole.
     """
@@ -169,7 +172,7 @@ class LLM:
                  chunked_prefill: bool = True, cuda_graphs: bool = True, num_speculative_tokens: int = 0,
                  mtp_mode: str = "auto", draft_acceptance: str = "rejection", seed: int = 0,
                  async_scheduling: bool | None = None, warm_up: bool | None = None,
-                 step_log: str | Path | None = None, hf_overrides: dict | None = None):
+                 step_log: str | Path | None = None, hf_overrides: dict | None = None, fuse: bool = True):
         if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be an int >= 0 (0 = no speculative decoding), "
                              f"got {num_speculative_tokens!r}")
@@ -193,7 +196,8 @@ class LLM:
             from megactx.model.weights import load_model
 
             self.model = load_model(model, device=device, dtype=dtype, hf_overrides=hf_overrides)
-            self.model.fuse_projections()  # a model of its own: GEMMs that read one input become one
+            if fuse:  # a model of its own: GEMMs that read one input become one
+                self.model.fuse_projections()
             source = Path(model)
         self.cfg = self.model.cfg
         self.hf_overrides = dict(hf_overrides or {})
