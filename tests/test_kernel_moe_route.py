@@ -98,5 +98,19 @@ def test_a_fused_moe_computes_as_the_reference_on_cuda():
     with torch.no_grad():
         want = moe(x)
         moe.gate.fuse()
-        got = moe(x)
+        got = moe(x)  # the kernel's weights for the every-expert form
+        moe.fuse()
+        folded = moe(x)  # and the shared expert computed as one more expert, at weight 1
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(folded, want, rtol=1e-4, atol=1e-5)
+
+
+def test_the_shared_column_is_ones():
+    g = torch.Generator().manual_seed(5)
+    logits, bias = torch.randn(7, 4, generator=g).to(DEVICE), torch.zeros(4, device=DEVICE)
+    dense = torch.full((7, 5), float("nan"), device=DEVICE)
+    weights, ids = moe_route(logits, bias, 2, 2.5, True, dense, shared_column=True)
+    assert torch.equal(dense[:, 4], torch.ones(7, device=DEVICE))
+    torch.testing.assert_close(dense[:, :4], torch.zeros(7, 4, device=DEVICE).scatter(1, ids, weights))
+    with pytest.raises(ValueError, match=r"\[7, 5\]"):
+        moe_route(logits, bias, 2, 2.5, True, torch.zeros(7, 4, device=DEVICE), shared_column=True)

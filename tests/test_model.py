@@ -225,3 +225,35 @@ def test_fuse_linears_makes_views_and_refuses_what_one_gemm_cannot_compute():
     for other in (nn.Linear(8, 2), nn.Linear(8, 2, bias=False).double(), nn.Linear(4, 2, bias=False)):
         before = plain.weight
         assert fuse_linears(plain, other) is None and plain.weight is before  # a bias, a dtype, a width
+
+
+def test_a_fused_moe_holds_its_shared_expert_as_one_more_expert():
+    """MoE.fuse (the engine's, for models whose experts run densely on CUDA): the shared expert
+    stored as expert E of one [E + 1] stack, the modules' weights views of it; the every-expert form
+    over that stack, the shared expert at weight 1, computes what the routed experts plus the
+    shared MLP do. On a CPU the model keeps computing the unfused way."""
+    from megactx.model.moe import MoE
+
+    cfg = ModelConfig.from_pretrained("tiny")
+    moe = MoE(cfg)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    x = torch.randn(1, 24, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    before = {name: p.detach().clone() for name, p in moe.state_dict().items()}
+    with torch.no_grad():
+        want = moe(x)
+        moe.fuse()
+        moe.shared_experts.fuse()  # already one GEMM on the stack's memory: nothing more
+        assert all(torch.equal(p, before[name]) for name, p in moe.state_dict().items())
+        gate_up, down = moe.with_shared
+        E = cfg.n_routed_experts
+        assert gate_up.shape[0] == down.shape[0] == E + 1
+        assert moe.experts.gate_up_proj.data_ptr() == gate_up.data_ptr()
+        assert moe.shared_experts.down_proj.weight.data_ptr() == down[E].data_ptr()
+        assert moe.shared_experts.gate_up.data_ptr() == gate_up[E].data_ptr()
+        torch.testing.assert_close(moe(x), want)  # a CPU: the routed loop and the shared MLP
+        flat = x.view(-1, cfg.hidden_size)
+        weights, ids = moe.gate(flat)
+        dense = torch.cat([torch.zeros(len(flat), E).scatter(1, ids, weights), torch.ones(len(flat), 1)], dim=1)
+        got = moe.experts._forward_dense(flat, dense, gate_up, down)
+    torch.testing.assert_close(got.view_as(x), want, rtol=1e-4, atol=1e-5)

@@ -21,9 +21,9 @@ MAX_EXPERTS = 1024  # a token's experts sit in one program's registers
 
 
 @triton.jit
-def _route_kernel(logits_ptr, stride_l, bias_ptr, w_ptr, ids_ptr, dense_ptr, N, E, scaling,
-                  K: tl.constexpr, NORM: tl.constexpr, DENSE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+def _route_kernel(logits_ptr, stride_l, bias_ptr, w_ptr, ids_ptr, dense_ptr, stride_d, N, E, scaling,
+                  K: tl.constexpr, NORM: tl.constexpr, DENSE: tl.constexpr, SHARED: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     e = tl.arange(0, BLOCK_E)
     live = rows < N
@@ -51,7 +51,9 @@ def _route_kernel(logits_ptr, stride_l, bias_ptr, w_ptr, ids_ptr, dense_ptr, N, 
         weights = weights / (total[:, None] + 1e-20)
         picked = picked / (total[:, None] + 1e-20)
     if DENSE:  # the routing weight of every expert, 0 where not routed: what the every-expert form reads
-        tl.store(dense_ptr + rows[:, None].to(tl.int64) * E + e[None, :], picked * scaling, mask=mask)
+        tl.store(dense_ptr + rows[:, None].to(tl.int64) * stride_d + e[None, :], picked * scaling, mask=mask)
+        if SHARED:  # a last column of ones: the shared expert, computed beside the routed ones
+            tl.store(dense_ptr + rows.to(tl.int64) * stride_d + E, tl.full([BLOCK_N], 1.0, tl.float32), mask=live)
     out = rows[:, None].to(tl.int64) * K + kk
     keep = live[:, None] & (kk < K)
     tl.store(w_ptr + out, weights * scaling, mask=keep)
@@ -59,12 +61,13 @@ def _route_kernel(logits_ptr, stride_l, bias_ptr, w_ptr, ids_ptr, dense_ptr, N, 
 
 
 def moe_route(logits: torch.Tensor, bias: torch.Tensor, k: int, scaling: float, norm_topk_prob: bool,
-              dense: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              dense: torch.Tensor | None = None, shared_column: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [N, E] fp32 (rows contiguous), bias [E] fp32 -> (weights [N, k] fp32, ids [N, k]
     int64, each row's experts by descending score + bias). Arguments as in the twin,
     `megactx.kernels.reference.moe_route` (n_group 1). dense: an [N, E] fp32 tensor to fill with
     every expert's routing weight, 0 where not routed (what `Experts` computing every expert
-    reads; the twin's caller scatters it)."""
+    reads; the twin's caller scatters it); [N, E + 1] with shared_column, its last column 1 (the
+    shared expert's weight, when it runs as one more expert)."""
     check_device(logits, bias)
     N, E = logits.shape
     if logits.dtype != torch.float32 or bias.dtype != torch.float32 or logits.stride(-1) != 1:
@@ -73,15 +76,18 @@ def moe_route(logits: torch.Tensor, bias: torch.Tensor, k: int, scaling: float, 
     if not 1 <= k <= E <= MAX_EXPERTS or bias.shape != (E,):
         raise ValueError(f"moe_route needs 1 <= k <= E <= {MAX_EXPERTS} and a bias of E values; got k = {k}, "
                          f"logits {tuple(logits.shape)}, bias {tuple(bias.shape)}")
-    if dense is not None and (dense.shape != (N, E) or dense.dtype != torch.float32 or not dense.is_contiguous()):
-        raise ValueError(f"dense must be a contiguous fp32 [{N}, {E}] tensor, got {dense.dtype} {tuple(dense.shape)}")
+    width = E + shared_column
+    if dense is not None and (dense.shape != (N, width) or dense.dtype != torch.float32 or not dense.is_contiguous()):
+        raise ValueError(f"dense must be a contiguous fp32 [{N}, {width}] tensor, got {dense.dtype} "
+                         f"{tuple(dense.shape)}")
     weights = torch.empty(N, k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(N, k, dtype=torch.int64, device=logits.device)
     if N:
         block_e = triton.next_power_of_2(E)
         block_n = max(1, min(16, 4096 // block_e))  # a program's scores stay ~4K values
         _route_kernel[(triton.cdiv(N, block_n),)](logits, logits.stride(0), bias, weights, ids,
-                                                  weights if dense is None else dense, N, E, float(scaling),
+                                                  weights if dense is None else dense, width, N, E, float(scaling),
                                                   K=k, NORM=norm_topk_prob, DENSE=dense is not None,
+                                                  SHARED=dense is not None and shared_column,
                                                   BLOCK_N=block_n, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(k))
     return weights, ids

@@ -61,15 +61,17 @@ class Router(nn.Module):
     def uses_kernel(self, x: torch.Tensor) -> bool:
         return self.fused and x.is_cuda and not torch.is_grad_enabled()
 
-    def forward(self, x: torch.Tensor, dense: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, dense: torch.Tensor | None = None,
+                shared_column: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N, D] -> (weights [N, top_k] fp32, expert ids [N, top_k] int64). dense: an [N, E]
-        fp32 tensor the kernel fills with every expert's weight (only where `uses_kernel(x)`)."""
+        fp32 tensor the kernel fills with every expert's weight (only where `uses_kernel(x)`);
+        [N, E + 1] with shared_column, whose last column it sets to 1."""
         logits = F.linear(x.float(), self.weight.float())  # [N, E]
         if self.uses_kernel(x):
             from megactx.kernels.moe_route import moe_route
 
             return moe_route(logits, self.e_score_correction_bias, self.top_k, self.scaling, self.norm_topk_prob,
-                             dense)
+                             dense, shared_column)
         return ref.moe_route(logits, self.e_score_correction_bias, self.top_k, self.scaling, self.norm_topk_prob,
                              self.n_group, self.topk_group)
 
@@ -95,10 +97,8 @@ class Experts(nn.Module):
         """Whether forward(x) computes every expert on every token (see forward)."""
         return x.is_cuda and (self.dense_on_cuda or torch.cuda.is_current_stream_capturing())
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                dense: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x: [N, D], weights/ids: [N, top_k] -> [N, D]. Loops over the experts that got tokens.
-        dense: [N, E] fp32, every expert's weight (0 where not routed) when the router made it.
 
         Asking which experts got tokens is a host sync per expert, which leaves a GPU idle while
         the host catches up. So on CUDA, for models with few experts (E <= 4 × top_k: megactx-tiny,
@@ -107,9 +107,8 @@ class Experts(nn.Module):
         megactx-tiny (16 × 2048 tokens a step) took 0.107 s a step this way, 0.188 s routed. Not for
         GLM-5-size expert counts (256 of top-8), outside capture."""
         if self.runs_dense(x):
-            if dense is None:
-                dense = torch.zeros(x.shape[0], self.gate_up_proj.shape[0], dtype=torch.float32, device=x.device)
-                dense.scatter_(1, ids, weights.float())  # [N, E] routing weight, 0 where not routed
+            dense = torch.zeros(x.shape[0], self.gate_up_proj.shape[0], dtype=torch.float32, device=x.device)
+            dense.scatter_(1, ids, weights.float())  # [N, E] routing weight, 0 where not routed
             return self._forward_dense(x, dense)
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():
@@ -119,19 +118,24 @@ class Experts(nn.Module):
             out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
         return out
 
-    def _forward_dense(self, x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    def _forward_dense(self, x: torch.Tensor, dense: torch.Tensor, gate_up: torch.Tensor | None = None,
+                       down: torch.Tensor | None = None) -> torch.Tensor:
         """Every expert on every token, EXPERT_GROUP experts side by side in two GEMMs (a handful of
         kernels, where a loop over the experts launched ~7 an expert: most of a graphed decode
-        step's kernels). Σ_e w[n, e] · down_e(a[n, e]) = [w[n, e] · a[n, e]]_e @ [down_e]_e."""
-        E, two_i, D = self.gate_up_proj.shape
+        step's kernels). Σ_e w[n, e] · down_e(a[n, e]) = [w[n, e] · a[n, e]]_e @ [down_e]_e.
+        gate_up [E', 2I, D] / down [E', D, I], dense [N, E']: other experts than this module's (its
+        own and the shared one: `MoE.fuse`)."""
+        gate_up = self.gate_up_proj if gate_up is None else gate_up
+        down = self.down_proj if down is None else down
+        E, two_i, D = gate_up.shape
         I = two_i // 2
         out = None
         for e0 in range(0, E, EXPERT_GROUP):  # groups bound the [N, G·2I] activations of many-expert models
             g = min(EXPERT_GROUP, E - e0)
-            h = F.linear(x, self.gate_up_proj[e0 : e0 + g].reshape(g * two_i, D)).view(-1, g, two_i)  # gate | up
+            h = F.linear(x, gate_up[e0 : e0 + g].reshape(g * two_i, D)).view(-1, g, two_i)  # gate | up
             a = F.silu(h[..., :I]) * h[..., I:]  # [N, G, I]
             a = (a * dense[:, e0 : e0 + g, None]).to(x.dtype).reshape(-1, g * I)  # weighted
-            y = F.linear(a, self.down_proj[e0 : e0 + g].permute(1, 0, 2).reshape(D, g * I))  # [N, D]
+            y = F.linear(a, down[e0 : e0 + g].permute(1, 0, 2).reshape(D, g * I))  # [N, D]
             out = y if out is None else out + y
         return out
 
@@ -143,13 +147,45 @@ class MoE(nn.Module):
         self.experts = Experts(cfg)
         n_shared = cfg.n_shared_experts
         self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * n_shared) if n_shared else None
+        self.with_shared: tuple[torch.Tensor, torch.Tensor] | None = None  # fuse(): routed + shared experts
+
+    def fuse(self) -> int:
+        """Where the experts run densely (few of them) and the shared expert is one of their size:
+        store it as one more expert (gate_up [E + 1, 2I, D], down [E + 1, D, I]; the modules'
+        weights become views of these), so that on CUDA the every-expert form computes it in its
+        two GEMMs at weight 1 (the routing kernel's last column) instead of an MLP of its own and
+        an add. No GEMM saved where the experts do not run densely (a CPU): returns 0."""
+        shared, experts = self.shared_experts, self.experts
+        if (self.with_shared is not None or shared is None or not experts.dense_on_cuda
+                or shared.down_proj.weight.shape != experts.down_proj.shape[1:] or shared.gate_up is not None
+                or len({p.dtype for p in (experts.gate_up_proj, experts.down_proj, shared.gate_proj.weight,
+                                          shared.up_proj.weight, shared.down_proj.weight)}) != 1):
+            return 0
+        E = experts.gate_up_proj.shape[0]
+        gate_up = torch.cat([experts.gate_up_proj.detach(),
+                             torch.cat([shared.gate_proj.weight, shared.up_proj.weight]).detach()[None]])
+        down = torch.cat([experts.down_proj.detach(), shared.down_proj.weight.detach()[None]])
+        I = experts.down_proj.shape[-1]
+        for module, name, view in ((experts, "gate_up_proj", gate_up[:E]), (experts, "down_proj", down[:E]),
+                                   (shared.gate_proj, "weight", gate_up[E, :I]),
+                                   (shared.up_proj, "weight", gate_up[E, I:]), (shared.down_proj, "weight", down[E])):
+            setattr(module, name, nn.Parameter(view, requires_grad=getattr(module, name).requires_grad))
+        shared.gate_up = gate_up[E]  # its own forward (a CPU, autograd) as one GEMM too, on the same memory
+        self.with_shared = (gate_up, down)
+        return 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [B, S, D]
         flat = x.reshape(-1, x.shape[-1])
         dense = None  # every expert's weight, made by the routing kernel when the experts run densely
         if self.gate.uses_kernel(flat) and self.experts.runs_dense(flat):
-            dense = torch.empty(flat.shape[0], self.gate.n_experts, dtype=torch.float32, device=flat.device)
-        weights, ids = self.gate(flat, dense)
-        out = self.experts(flat, weights, ids, dense).view_as(x)
+            folded = self.with_shared is not None  # the shared expert as expert E, at weight 1
+            dense = torch.empty(flat.shape[0], self.gate.n_experts + folded, dtype=torch.float32, device=flat.device)
+            self.gate(flat, dense, shared_column=folded)
+            if folded:
+                return self.experts._forward_dense(flat, dense, *self.with_shared).view_as(x)
+            out = self.experts._forward_dense(flat, dense).view_as(x)
+        else:
+            weights, ids = self.gate(flat)
+            out = self.experts(flat, weights, ids).view_as(x)
         return out if self.shared_experts is None else out + self.shared_experts(x)

@@ -18,7 +18,7 @@ from megactx.kernels import reference as ref  # attributes read at call time (se
 from megactx.model.attention import MLA, LayerCache
 from megactx.model.decoder import DecoderLayer
 from megactx.model.layers import RMSNorm, Rotary
-from megactx.model.moe import MLP, Router
+from megactx.model.moe import MLP, MoE, Router
 from megactx.model.mtp import MTPLayer
 from megactx.model.paged import (
     KernelOps,
@@ -83,7 +83,7 @@ class Transformer(nn.Module):
         extra memory), and MoE routing runs as one Triton kernel on CUDA. A decode step's time is its
         kernel count on a small model. Returns the GEMMs
         a decode step saves; training never calls it."""
-        return sum(m.fuse() for m in self.modules() if isinstance(m, (MLA, MLP, Router)))
+        return sum(m.fuse() for m in self.modules() if isinstance(m, (MLA, MoE, MLP, Router)))  # a MoE before its MLP
 
     def cast(self, dtype: torch.dtype) -> Transformer:
         """Cast floating parameters to dtype, keeping router and indexer head weights in fp32."""
