@@ -90,7 +90,7 @@ def test_every_expert_on_every_token_equals_the_routed_loop():
         experts.zero_grad()
         weights, ids = router(x)
         if dense_form:  # each expert's routing weight, 0 where not routed
-            out = experts._forward_dense(x, torch.zeros(len(x), cfg.n_routed_experts).scatter(1, ids, weights))
+            out = experts.forward_dense(x, torch.zeros(len(x), cfg.n_routed_experts).scatter(1, ids, weights))
         else:
             out = experts(x, weights, ids)
         out.square().sum().backward()
@@ -101,7 +101,7 @@ def test_every_expert_on_every_token_equals_the_routed_loop():
     torch.nn.init.normal_(many.gate_up_proj, std=0.05)
     torch.nn.init.normal_(many.down_proj, std=0.05)
     weights, ids = Router(cfg.replace(n_routed_experts=20, num_experts_per_tok=4))(x)
-    routed, dense = many(x, weights, ids), many._forward_dense(x, torch.zeros(len(x), 20).scatter(1, ids, weights))
+    routed, dense = many(x, weights, ids), many.forward_dense(x, torch.zeros(len(x), 20).scatter(1, ids, weights))
     torch.testing.assert_close(dense, routed, rtol=1e-4, atol=1e-4 * routed.abs().max().item())
 
 
@@ -255,5 +255,5 @@ def test_a_fused_moe_holds_its_shared_expert_as_one_more_expert():
         flat = x.view(-1, cfg.hidden_size)
         weights, ids = moe.gate(flat)
         dense = torch.cat([torch.zeros(len(flat), E).scatter(1, ids, weights), torch.ones(len(flat), 1)], dim=1)
-        got = moe.experts._forward_dense(flat, dense, gate_up, down)
+        got = moe.experts.forward_dense(flat, dense, gate_up, down)
     torch.testing.assert_close(got.view_as(x), want, rtol=1e-4, atol=1e-5)

@@ -109,7 +109,7 @@ class Experts(nn.Module):
         if self.runs_dense(x):
             dense = torch.zeros(x.shape[0], self.gate_up_proj.shape[0], dtype=torch.float32, device=x.device)
             dense.scatter_(1, ids, weights.float())  # [N, E] routing weight, 0 where not routed
-            return self._forward_dense(x, dense)
+            return self.forward_dense(x, dense)
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():
             token, slot = (ids == e).nonzero(as_tuple=True)
@@ -118,7 +118,7 @@ class Experts(nn.Module):
             out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
         return out
 
-    def _forward_dense(self, x: torch.Tensor, dense: torch.Tensor, gate_up: torch.Tensor | None = None,
+    def forward_dense(self, x: torch.Tensor, dense: torch.Tensor, gate_up: torch.Tensor | None = None,
                        down: torch.Tensor | None = None) -> torch.Tensor:
         """Every expert on every token, EXPERT_GROUP experts side by side in two GEMMs (a handful of
         kernels, where a loop over the experts launched ~7 an expert: most of a graphed decode
@@ -177,14 +177,14 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [B, S, D]
         flat = x.reshape(-1, x.shape[-1])
-        dense = None  # every expert's weight, made by the routing kernel when the experts run densely
         if self.gate.uses_kernel(flat) and self.experts.runs_dense(flat):
-            folded = self.with_shared is not None  # the shared expert as expert E, at weight 1
+            # every expert's weight, from the routing kernel; the shared expert as expert E at weight 1
+            folded = self.with_shared is not None
             dense = torch.empty(flat.shape[0], self.gate.n_experts + folded, dtype=torch.float32, device=flat.device)
             self.gate(flat, dense, shared_column=folded)
             if folded:
-                return self.experts._forward_dense(flat, dense, *self.with_shared).view_as(x)
-            out = self.experts._forward_dense(flat, dense).view_as(x)
+                return self.experts.forward_dense(flat, dense, *self.with_shared).view_as(x)
+            out = self.experts.forward_dense(flat, dense).view_as(x)
         else:
             weights, ids = self.gate(flat)
             out = self.experts(flat, weights, ids).view_as(x)
