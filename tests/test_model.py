@@ -257,3 +257,19 @@ def test_a_fused_moe_holds_its_shared_expert_as_one_more_expert():
         dense = torch.cat([torch.zeros(len(flat), E).scatter(1, ids, weights), torch.ones(len(flat), 1)], dim=1)
         got = moe.experts.forward_dense(flat, dense, gate_up, down)
     torch.testing.assert_close(got.view_as(x), want, rtol=1e-4, atol=1e-5)
+
+
+def test_the_router_fills_the_every_expert_weights_on_every_path():
+    """Router(x, dense): the twin path (a CPU, autograd) fills the [N, E (+ 1)] weights as the
+    routing kernel does, gradients flowing through them."""
+    cfg = ModelConfig.from_pretrained("tiny")
+    router = Router(cfg)
+    torch.nn.init.normal_(router.weight, std=0.05)
+    x = torch.randn(6, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    E = cfg.n_routed_experts
+    dense = torch.empty(6, E + 1)
+    weights, ids = router(x, dense, shared_column=True)
+    assert torch.equal(dense[:, :E], torch.zeros(6, E).scatter(1, ids, weights.detach()))
+    assert torch.equal(dense[:, E], torch.ones(6))
+    (dense[:, :E] * torch.arange(E)).sum().backward()  # not the sum: normalised weights sum to a constant
+    assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0

@@ -176,8 +176,8 @@ class MLA(nn.Module):
         if self.x_proj is None:
             linears = [self.q_a_proj, self.kv_a_proj_with_mqa] + ([self.indexer.wk] if self.indexer else [])
             self.x_proj = fuse_linears(*linears)
-            self.x_proj_sizes = [m.weight.shape[0] for m in linears]
-        return len(self.x_proj_sizes) - 1 if self.x_proj is not None else 0
+            self.x_proj_sizes = [m.weight.shape[0] for m in linears] if self.x_proj is not None else []
+        return max(len(self.x_proj_sizes) - 1, 0)
 
     def project_q(self, x, cos, sin, rope=rope_first, q_a_x=None):
         """x: [B, S, D] -> q_resid [B, S, q_lora], q_nope [B, S, H, dn], q_pe [B, S, H, dr] (roped by
@@ -276,15 +276,17 @@ class MLA(nn.Module):
         absorbed form through cache.ops. Returns (out [1, T, D], topk slots [T, K] int32, -1 = none)."""
         batch, ops = cache.batch, cache.ops
         # x's projections in one GEMM when fused (a draft step that writes no KV needs only q's)
-        fused = F.linear(x, self.x_proj).split(self.x_proj_sizes, dim=-1) if write_kv and self.x_proj is not None \
-            else (None, None, None)
-        q_resid, q_nope, q_pe = self.project_q(x, cos, sin, ops.rope, fused[0])  # [1, T, q_lora], [1, T, H, dn|dr]
+        q_a_x = kv_a_x = wk_x = None
+        if write_kv and self.x_proj is not None:
+            q_a_x, kv_a_x, *wk = F.linear(x, self.x_proj).split(self.x_proj_sizes, dim=-1)
+            wk_x = wk[0] if wk else None
+        q_resid, q_nope, q_pe = self.project_q(x, cos, sin, ops.rope, q_a_x)  # [1, T, q_lora], [1, T, H, dn|dr]
         fp8_index = cache.index is not None and cache.index.dtype == torch.uint8
         if write_kv:
-            c, k_pe = self.project_kv(x, cos, sin, ops.rope, fused[1])  # [1, T, r], [1, T, dr]
+            c, k_pe = self.project_kv(x, cos, sin, ops.rope, kv_a_x)  # [1, T, r], [1, T, dr]
             index_k = None
             if self.indexer is not None and cache.index is not None:
-                index_k = self.indexer.keys(x, cos, sin, ops.rope, fused[2] if len(fused) > 2 else None)[0]  # [T, DI]
+                index_k = self.indexer.keys(x, cos, sin, ops.rope, wk_x)[0]  # [T, DI]
                 if fp8_index:  # rotated before quantization, as in Indexer.scores(fp8=True)
                     index_k = index_k.float() @ self.indexer.rotation(x.device)
             ops.write_kv(c[0], k_pe[0], batch.slots, cache.kv, index_k, cache.index)

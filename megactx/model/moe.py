@@ -64,16 +64,21 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor, dense: torch.Tensor | None = None,
                 shared_column: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N, D] -> (weights [N, top_k] fp32, expert ids [N, top_k] int64). dense: an [N, E]
-        fp32 tensor the kernel fills with every expert's weight (only where `uses_kernel(x)`);
-        [N, E + 1] with shared_column, whose last column it sets to 1."""
+        fp32 tensor to fill with every expert's weight, 0 where not routed (what the every-expert
+        form reads); [N, E + 1] with shared_column, its last column 1 (the shared expert's)."""
         logits = F.linear(x.float(), self.weight.float())  # [N, E]
         if self.uses_kernel(x):
             from megactx.kernels.moe_route import moe_route
 
             return moe_route(logits, self.e_score_correction_bias, self.top_k, self.scaling, self.norm_topk_prob,
                              dense, shared_column)
-        return ref.moe_route(logits, self.e_score_correction_bias, self.top_k, self.scaling, self.norm_topk_prob,
-                             self.n_group, self.topk_group)
+        weights, ids = ref.moe_route(logits, self.e_score_correction_bias, self.top_k, self.scaling,
+                                     self.norm_topk_prob, self.n_group, self.topk_group)
+        if dense is not None:
+            dense.zero_()[:, : self.n_experts].scatter_(1, ids, weights)
+            if shared_column:
+                dense[:, self.n_experts] = 1.0
+        return weights, ids
 
 
 DENSE_EXPERTS_MAX_RATIO = 4  # on CUDA, every expert on every token while E <= this × top_k
@@ -177,8 +182,9 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [B, S, D]
         flat = x.reshape(-1, x.shape[-1])
-        if self.gate.uses_kernel(flat) and self.experts.runs_dense(flat):
-            # every expert's weight, from the routing kernel; the shared expert as expert E at weight 1
+        if self.experts.runs_dense(flat):
+            # every expert's weight (from the routing kernel on the engine's CUDA path); the shared
+            # expert as expert E at weight 1 where fuse() stacked it
             folded = self.with_shared is not None
             dense = torch.empty(flat.shape[0], self.gate.n_experts + folded, dtype=torch.float32, device=flat.device)
             self.gate(flat, dense, shared_column=folded)

@@ -80,10 +80,11 @@ class Transformer(nn.Module):
     def fuse_projections(self) -> int:
         """For inference: linears that read the same input become one GEMM each (MLA's q_a / kv_a /
         indexer wk, an MLP's gate / up), their weights views of the fused ones (same values, no
-        extra memory), and MoE routing runs as one Triton kernel on CUDA. A decode step's time is its
-        kernel count on a small model. Returns the GEMMs
-        a decode step saves; training never calls it."""
-        return sum(m.fuse() for m in self.modules() if isinstance(m, (MLA, MoE, MLP, Router)))  # a MoE before its MLP
+        extra memory); MoE routing runs as one Triton kernel on CUDA, and a MoE whose experts run
+        densely computes its shared expert as one more of them. A decode step's time is its kernel
+        count on a small model. Returns the GEMMs a step saves; training never calls it."""
+        # modules() visits a MoE before its shared MLP, which MoE.fuse stacks first
+        return sum(m.fuse() for m in self.modules() if isinstance(m, (MLA, MoE, MLP, Router)))
 
     def cast(self, dtype: torch.dtype) -> Transformer:
         """Cast floating parameters to dtype, keeping router and indexer head weights in fp32."""
