@@ -9,10 +9,14 @@ Cases (k = 2048): decode 64 x 1M, the last 4096-row chunk of a causal 64K prefil
 line: ms (triton.testing.do_bench, L2 flushed between repetitions), GB/s = visible logits bytes
 (read once) / time, next to the device copy bandwidth measured in the same run, the speed-up over
 torch.topk, and whether the selected values equal torch.topk's. Per case it also times the default
-config in a CUDA graph (no launch overhead) and on ties (integer logits: 1000 levels settle ties in
-the candidate buffer; 10 levels overflow it, so the slow fallback runs), and once, the indexer
-logits of the prefill case alone and followed by the top-k (the target: top-k within 0.5x of the
-logits). Prints a table; this is a tuning tool, not a test.
+config in a CUDA graph (no launch overhead); on ties (integer logits: with 1000 levels ties are
+settled in the candidate buffer, with 10 the top level is the threshold itself and its lowest
+copies are read from the row's start); on ReLU'd indexer-like rows (k / 2 positive values among
+exact zeros and negatives: the k-th largest is 0.0, tied ~L / 2 times); and on normal logits with
+`candidates = k`, so that the buffer overflows and the fallback over the row runs (the cost tie-heavy
+rows paid before their ties were kept out of the buffer). Once, the indexer logits of the prefill
+case alone and followed by the top-k (the target: top-k within 0.5x of the logits). Prints a table;
+this is a tuning tool, not a test.
 """
 
 from __future__ import annotations
@@ -43,11 +47,19 @@ class Case:
     L: int
     causal: bool  # key_len = L - T + 1 .. L (the last chunk of a causal prefill); else all L
 
-    def inputs(self, gen: torch.Generator, levels: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """i.i.d. normal logits, or integers in [0, levels) (ties) when levels > 0."""
+    def inputs(self, gen: torch.Generator, levels: int = 0,
+               relu: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """i.i.d. normal logits; integers in [0, levels) (ties) when levels > 0; relu: K / 2 positive
+        values a row (at most; where every row sees them) among exact zeros (half the row) and negatives."""
         shape = (self.T, self.L)
         if levels:
             logits = torch.randint(0, levels, shape, generator=gen, device="cuda").float()
+        elif relu:
+            zero = torch.rand(shape, generator=gen, device="cuda") < 0.5
+            logits = torch.randn(shape, generator=gen, device="cuda").abs().neg().sub(0.01).masked_fill(zero, 0.0)
+            visible = self.L - self.T + 1 if self.causal else self.L  # keys every row sees
+            hot = torch.randint(0, visible, (self.T, K // 2), generator=gen, device="cuda")
+            logits.scatter_(1, hot, torch.rand(hot.shape, generator=gen, device="cuda") + 1)
         else:
             logits = torch.randn(shape, generator=gen, device="cuda")
         if not self.causal:
@@ -121,11 +133,14 @@ def copy_bandwidth() -> float:
 
 def run_case(case: Case, quick: bool, ceiling: float) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
-    time_configs(case, *case.inputs(gen), quick, ceiling)
-    # 1000 levels: ties straddle the threshold inside the buffer; 10: the top level alone has more
-    # copies than the buffer holds, so the fallback over the row runs (the slow path's cost).
+    logits, key_len = case.inputs(gen)
+    time_configs(case, logits, key_len, quick, ceiling)
+    # 1000 levels: ties straddle the threshold inside the buffer; 10: the top level is the threshold
+    # itself, its lowest copies read from the row's start (so are the ReLU rows' zeros)
     for levels in (1000, 10):
-        time_ties(case, levels, *case.inputs(gen, levels))
+        time_ties(case, f"integer logits in [0, {levels})", *case.inputs(gen, levels))
+    time_ties(case, f"ReLU rows, {K // 2} positive", *case.inputs(gen, relu=True))
+    time_ties(case, "the fallback: normal logits, candidates = k", logits, key_len, TopkConfig(candidates=K))
 
 
 def time_configs(case: Case, logits: torch.Tensor, key_len: torch.Tensor | None, quick: bool, ceiling: float) -> None:
@@ -160,11 +175,12 @@ def time_configs(case: Case, logits: torch.Tensor, key_len: torch.Tensor | None,
         print(f"default config in a CUDA graph: FAILED {type(e).__name__}: {str(e).splitlines()[0][:100]}")
 
 
-def time_ties(case: Case, levels: int, logits: torch.Tensor, key_len: torch.Tensor | None) -> None:
+def time_ties(case: Case, label: str, logits: torch.Tensor, key_len: torch.Tensor | None,
+              config: TopkConfig | None = None) -> None:
     out = torch.empty(case.T, K, dtype=torch.int32, device="cuda")
-    t_ties = time_ms(lambda: topk_rows(logits, K, key_len, out))
+    t_ties = time_ms(lambda: topk_rows(logits, K, key_len, out, config=config))
     t_torch = time_ms(lambda: torch.topk(logits, K, dim=-1))
-    print(f"ties (integer logits in [0, {levels})): {t_ties:.3f} ms, torch.topk {t_torch:.3f} ms, values "
+    print(f"{label}: {t_ties:.3f} ms, torch.topk {t_torch:.3f} ms, values "
           f"{'ok' if values_match(logits, out) else 'WRONG'}")
 
 

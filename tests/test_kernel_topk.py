@@ -5,7 +5,9 @@ number of -1s, the multiset of selected values equal to torch.topk's, and the se
 the one the kernel documents (ties at the threshold go to the lowest positions): the first k of a
 stable descending sort. On a CPU the kernel runs in the Triton interpreter, so rows stay short and
 the configs small enough that every path runs: rows selected directly (<= `candidates` keys), from
-the candidate buffer, and the overflow fallback, each in the fused and the split launch plan."""
+the candidate buffer, from the buffer and the lowest ties at the threshold (fewer than k above it),
+and the overflow fallback, each in the fused and the split launch plan (`_paths` says which rows take
+which, by the kernel's own rule)."""
 
 from __future__ import annotations
 
@@ -55,6 +57,38 @@ def _check(logits: torch.Tensor, k: int, key_len: torch.Tensor | None, got: torc
         assert set(sel.tolist()) == set(order[t, :n_sel].tolist()), f"row {t}: ties not at the lowest positions"
 
 
+def _keys(x: torch.Tensor) -> torch.Tensor:
+    """The kernel's order-preserving int32 keys of fp32 values (`topk._key`), as int64."""
+    bits = x.float().contiguous().view(torch.int32).long()
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def _paths(logits: torch.Tensor, k: int, key_len: torch.Tensor | None, cfg: TopkConfig) -> list[str]:
+    """Which path of the select step each row takes, by the kernel's rule: "direct" (at most
+    `candidates` keys), "buffer" (>= k keys above the first threshold tau, all in the buffer), "ties"
+    (fewer than k above tau: those and the lowest ties at tau) or "fallback" (the buffer overflowed)."""
+    plan = TopkPlan.make(*logits.shape, k, cfg, torch.device("cpu"))
+    x = _masked(logits, key_len).float().cpu()
+    n = x.shape[1] if key_len is None else key_len.clamp(0, x.shape[1])
+    paths = []
+    for t, row in enumerate(x):
+        if int(n if key_len is None else n[t]) <= plan.cap:
+            paths.append("direct")
+            continue
+        keys = _keys(row)
+        pad = (-len(keys)) % plan.groups
+        neg = int(_keys(torch.tensor([float("-inf")])))
+        groups = torch.cat([keys, torch.full((pad,), neg)]).view(-1, plan.groups).amax(0) + 2**31  # unsigned
+        p = 0
+        for b in range(TopkConfig.PREFIX_BITS):  # topk._lower_bound
+            if int((groups >= p + (1 << (31 - b))).sum()) >= k:
+                p += 1 << (31 - b)
+        tau = max(p - 2**31, neg + 1)
+        above = int((keys > tau).sum())
+        paths.append("fallback" if above > plan.cap else "buffer" if above >= k else "ties")
+    return paths
+
+
 def _key_len(T: int, L: int, gen: torch.Generator, k: int) -> torch.Tensor:
     """Row lengths covering the edge cases: 0, below k, all of L, and random ones."""
     lens = torch.randint(0, L + 1, (T,), generator=gen)
@@ -79,17 +113,44 @@ def test_random_rows_match_torch_topk(plan, k):
 
 
 @pytest.mark.parametrize("plan", PLANS)
-@pytest.mark.parametrize("levels, candidates", [(50, 512), (3, 128)])
-def test_ties_go_to_lowest_positions(plan, levels, candidates):
+@pytest.mark.parametrize("levels, candidates, path", [(50, 512, "buffer"), (3, 128, "ties"), (200, 64, "fallback")])
+def test_ties_go_to_lowest_positions(plan, levels, candidates, path):
     """Integer logits: ties straddle the threshold. With 50 levels (~20 copies each) the ~80
-    candidates fit the buffer and ties are settled there; with 3 levels the ~200+ copies of the top
-    value overflow 128 candidates, so the fallback over the row settles them."""
+    candidates fit the buffer and ties are settled there (in one row; in the other the k-th value
+    is the threshold itself); with 3 levels the ~300 copies of the top value are the threshold,
+    so the lowest of them are found by reading the row from its start; with 200 levels and
+    candidates = k the elements above the threshold overflow the buffer, so the fallback over the
+    row settles them."""
     gen = torch.Generator().manual_seed(levels)
     T, L, k = 4, 900, 64
     logits = torch.randint(-levels // 2, levels - levels // 2, (T, L), generator=gen).float()
     key_len = torch.tensor([L, 0, k - 1, 700], dtype=torch.int32)
     cfg = dataclasses.replace(PLANS[plan], candidates=candidates)
+    paths = _paths(logits, k, key_len, cfg)
+    assert path in paths and paths[1:3] == ["direct", "direct"], paths
     _check(logits, k, key_len, topk_rows(logits.to(DEVICE), k, key_len.to(DEVICE), config=cfg))
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_relu_rows_with_fewer_than_k_positive(plan):
+    """Rows shaped like an indexer's ReLU'd logits where the query scores few keys above 0: a few
+    positive values among exact zeros (and negatives, as head weights of both signs give), so the
+    k-th largest is 0.0 with hundreds of ties — the rows that overflowed the buffer into the
+    fallback before the threshold's ties were kept out of it. Also a row of zeros only, one with
+    its zeros sparse and the last ones needed near its end, and one past key_len."""
+    gen = torch.Generator().manual_seed(7)
+    T, L, k = 5, 1000, 64
+    noise = torch.randn(T, L, generator=gen).clamp_max(-0.01)
+    logits = torch.where(torch.rand(T, L, generator=gen) < 0.5, noise, 0.0)  # < 0, ~half +0.0 (no -0.0: see _key)
+    for t in (0, 3, 4):
+        logits[t, torch.randperm(L, generator=gen)[:40]] = torch.rand(40, generator=gen) + 0.1  # 40 positive < k
+    logits[1] = 0.0
+    logits[2] = -torch.rand(L, generator=gen) - 0.1  # negative, bar 50 positive and 30 zeros near the end
+    logits[2, torch.randperm(L - 100, generator=gen)[:50]] = torch.rand(50, generator=gen) + 1
+    logits[2, -100::3][:30] = 0.0  # the 14 taken end ~60 keys before the row's end
+    key_len = torch.tensor([L, L, L, L, 777], dtype=torch.int32)
+    assert _paths(logits, k, key_len, PLANS[plan]) == ["ties"] * T
+    _check(logits, k, key_len, topk_rows(logits.to(DEVICE), k, key_len.to(DEVICE), config=PLANS[plan]))
 
 
 @pytest.mark.parametrize("plan", PLANS)
@@ -190,19 +251,23 @@ def test_row_stride_and_out_buffer():
     _check(logits, 32, None, got)
 
 
-@pytest.mark.parametrize("path", ["fused", "split", "direct", "overflow"])
+@pytest.mark.parametrize("path", ["fused", "split", "direct", "overflow", "ties"])
 def test_slots_through_a_block_table(path):
     """With a block table the selection writes physical slots (block · 64 + offset of each row's
     sequence), exactly the twin's positions mapped by `logical_to_slots`, -1 kept, on every path
-    (rows from the buffer, a row of <= candidates keys, the overflow fallback)."""
+    (rows from the buffer, a row of <= candidates keys, the overflow fallback, the ties at the
+    threshold after the buffer)."""
     gen = torch.Generator().manual_seed(11)
     T, L, k = 5, 64 if path == "direct" else 1000, 40
     logits = torch.randn(T, L, generator=gen)
+    if path == "ties":  # 20 positive values < k among zeros: the 0.0s are the threshold
+        hot = torch.randperm(L, generator=gen)[:20].expand(T, 20)
+        logits = torch.zeros(T, L).scatter_(1, hot, 1.0 + logits[:, :20])
     key_len = torch.tensor([L, 0, 30, L - 7, 3 * L // 4], dtype=torch.int32)
     seq_idx = torch.tensor([2, 0, 1, 2, 0], dtype=torch.int32)
     width = -(-L // ref.BLOCK_SIZE)
     table = torch.randperm(3 * width + 5, generator=gen)[: 3 * width].view(3, width).int()
-    cfg = PLANS["split" if path == "split" else "fused"]
+    cfg = PLANS["split" if path in ("split", "ties") else "fused"]
     if path == "overflow":
         cfg = dataclasses.replace(cfg, candidates=k, row_pivots=4)
     got = topk_rows(logits.to(DEVICE), k, key_len.to(DEVICE), block_table=table.to(DEVICE),
@@ -281,12 +346,30 @@ def test_causal_prefill_chunk_of_64k():
 def test_ties_at_scale(T, L, levels):
     """Integer logits on long rows, in the split plan (few rows) and the fused one (many). With 1000
     levels ~2.4 k elements pass the first threshold, ties are settled in the buffer; with 10 levels
-    the top level alone has 6.5-26 K copies: the buffer overflows and the fallback runs."""
+    the top level alone has 6.5-26 K copies: it is the threshold, its lowest copies read from the row's
+    start."""
     gen = torch.Generator(device="cuda").manual_seed(T + levels)
     logits = torch.randint(0, levels, (T, L), generator=gen, device="cuda").float()
     got = topk_rows(logits, 2048)
     _check_values(logits, 2048, None, got)
     _check(logits[:2], 2048, None, got[:2])  # and the lowest positions among ties
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T, L", [(64, 1 << 20), (2048, 1 << 16)])
+def test_relu_rows_at_scale(T, L):
+    """An indexer's ReLU'd rows at a decode of 1M keys (split plan) and a causal chunk of 64K (fused):
+    1000 positive values among ~L / 2 exact zeros and negatives, k = 2048: the k-th largest is 0.0,
+    and the lowest ~1000 of its ties are taken."""
+    gen = torch.Generator(device="cuda").manual_seed(T)
+    noise = torch.randn(T, L, generator=gen, device="cuda").abs().neg().sub(0.01)
+    logits = noise.masked_fill(torch.rand(T, L, generator=gen, device="cuda") < 0.5, 0.0)
+    hot = torch.randint(0, L - T + 1, (T, 1000), generator=gen, device="cuda")
+    logits.scatter_(1, hot, torch.rand(T, 1000, generator=gen, device="cuda") + 1)
+    key_len = torch.arange(L - T + 1, L + 1, device="cuda", dtype=torch.int32)
+    got = topk_rows(logits, 2048, key_len)
+    _check_values(logits, 2048, key_len, got)
+    _check(logits[:2], 2048, key_len[:2], got[:2])  # and the lowest positions among the zeros
 
 
 @pytest.mark.gpu

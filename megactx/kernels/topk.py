@@ -13,15 +13,21 @@ Algorithm, per row (fp32 values are compared as order-preserving int32 keys, see
    keep it tight whatever the row's shape, because any w neighbouring positions fall in min(w, M)
    groups: with M = 4 k, ~1.15 k elements are >= tau on i.i.d. rows, and 1.0-1.3 k on rows that
    trend, are smooth or blocky, sorted, or hold their top-k in one local window.
-2. Collect. The row is read again; the elements >= tau (positions and keys) are appended to a
-   per-row candidate buffer of `candidates` entries.
-3. Select. The buffer is loaded into registers and the exact k-th largest key theta is found by
-   narrowing an interval of keys [lo, hi] with counts (`count(key >= pivot)`); elements > theta and
-   enough elements == theta are written out, the rest of the row's k slots get -1.
+2. Collect. The row is read again; the elements > tau (positions and keys) are appended to a
+   per-row candidate buffer of `candidates` entries, and the elements == tau are counted.
+3. Select. When at least k elements are above tau, the buffer is loaded into registers and the exact
+   k-th largest key theta is found by narrowing an interval of keys [lo, hi] with counts
+   (`count(key >= pivot)`); elements > theta and enough elements == theta are written out, the rest
+   of the row's k slots get -1. When fewer are, the k-th largest is tau itself: the whole buffer is
+   written, then the lowest-positioned elements == tau, found by reading the row from its start only
+   as far as the last one needed. That is the common case of heavy ties: an indexer's logits are
+   ReLU'd, so a row with fewer than k positive logits has its k-th largest at 0.0, tied with every
+   key the query scores 0 (about 1% of megactx-tiny's first indexer's rows at 16K; at 1M, hundreds of
+   thousands of zeros).
 
 Rows of at most `candidates` keys skip 1 and 2 (the row itself is the buffer). When the buffer
-overflows (heavy ties, or an adversarial order of values), the row falls back to narrowing over the
-row itself in one program: exact, but it reads the row ~8 more times.
+overflows with elements above tau (an adversarial order of values), the row falls back to
+narrowing over the row itself in one program: exact, but it reads the row ~8 more times.
 
 Two launch plans, one set of steps: many short rows run one fused program per row, which also
 lets the second read hit L2 (its collect appends in position order, with a scan); long rows
@@ -124,10 +130,11 @@ def _load_keys(row_ptr, pos, end, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _collect_tile(row_ptr, s0, end, tau, buf_key_ptr, buf_idx_ptr, counter_ptr, count, cap,
+def _collect_tile(row_ptr, s0, end, tau, buf_key_ptr, buf_idx_ptr, counter_ptr, count, ties, cap,
                   BLOCK: tl.constexpr, SUB: tl.constexpr, MASKED: tl.constexpr, ATOMIC: tl.constexpr):
-    """Append the keys >= tau of row[s0:s0 + BLOCK] (and their positions) to the buffer, the first
-    `cap` of the row's; count: candidates this program appended before -> count after.
+    """Append the keys > tau of row[s0:s0 + BLOCK] (and their positions) to the buffer, the first
+    `cap` of the row's, and count the keys == tau; (count, ties): this program's candidates and
+    ties before -> after.
 
     A light pass over the whole tile only counts; the positions (a scan, and scattered stores with
     a 64-bit address each) are worked out SUB elements at a time, re-reading the tile from L1, so
@@ -141,20 +148,22 @@ def _collect_tile(row_ptr, s0, end, tau, buf_key_ptr, buf_idx_ptr, counter_ptr, 
     if ATOMIC:  # (names of their own: Triton compiles both branches' variables into one scope)
         a_pos = s0 + tl.arange(0, BLOCK)
         a_keys = _load_keys(row_ptr, a_pos, end, MASKED)
-        a_take = a_keys >= tau
+        a_take = a_keys > tau
         a_slot = tl.atomic_add(counter_ptr + tl.zeros([BLOCK], tl.int32), 1, mask=a_take, sem="relaxed")
         a_keep = a_take & (a_slot < cap)
         tl.store(buf_key_ptr + a_slot, a_keys, mask=a_keep)
         tl.store(buf_idx_ptr + a_slot, a_pos, mask=a_keep)
-        return count + tl.sum(a_take.to(tl.int32))
-    c = tl.sum((_load_keys(row_ptr, s0 + tl.arange(0, BLOCK), end, MASKED) >= tau).to(tl.int32))
+        return count + tl.sum(a_take.to(tl.int32)), ties + tl.sum((a_keys == tau).to(tl.int32))
+    light = _load_keys(row_ptr, s0 + tl.arange(0, BLOCK), end, MASKED)
+    c = tl.sum((light > tau).to(tl.int32))
+    e = tl.sum((light == tau).to(tl.int32))  # (counted here, so that the tile's keys die before the loop)
     if c > 0:
         base = count
         sub = tl.arange(0, SUB)
         for j in range(0, BLOCK, SUB):
             pos = s0 + j + sub
             keys = _load_keys(row_ptr, pos, end, MASKED)
-            take = (keys >= tau).to(tl.int32)
+            take = (keys > tau).to(tl.int32)
             cj = tl.sum(take)
             if cj > 0:
                 slot = base + tl.cumsum(take, 0) - take
@@ -162,25 +171,26 @@ def _collect_tile(row_ptr, s0, end, tau, buf_key_ptr, buf_idx_ptr, counter_ptr, 
                 tl.store(buf_key_ptr + slot, keys, mask=keep)
                 tl.store(buf_idx_ptr + slot, pos, mask=keep)
             base += cj
-    return count + c
+    return count + c, ties + e
 
 
 @triton.jit
 def _collect(row_ptr, n, first, stride, tau, buf_key_ptr, buf_idx_ptr, counter_ptr, cap,
              BLOCK: tl.constexpr, SUB: tl.constexpr, ATOMIC: tl.constexpr, STAGES: tl.constexpr):
-    """Append the elements with key >= tau of the tiles row[first + i·stride:][:BLOCK] (clipped to n)
-    to the buffer -> how many there were (all of them, also past `cap`). ATOMIC: several programs
-    share the buffer and reserve space through counter_ptr; else this program owns it and appends
-    in position order."""
+    """Append the elements with key > tau of the tiles row[first + i·stride:][:BLOCK] (clipped to n)
+    to the buffer -> (how many there were, all of them, also past `cap`; how many keys == tau).
+    ATOMIC: several programs share the buffer and reserve space through counter_ptr; else this
+    program owns it and appends in position order."""
     count = tl.zeros([], tl.int32)
+    ties = tl.zeros([], tl.int32)
     full = _full_steps(n, first, stride, BLOCK)
     for i in tl.range(0, full, num_stages=STAGES):
-        count = _collect_tile(row_ptr, first + i * stride, n, tau, buf_key_ptr, buf_idx_ptr, counter_ptr, count,
-                              cap, BLOCK, SUB, False, ATOMIC)
+        count, ties = _collect_tile(row_ptr, first + i * stride, n, tau, buf_key_ptr, buf_idx_ptr, counter_ptr,
+                                    count, ties, cap, BLOCK, SUB, False, ATOMIC)
     if first + full * stride < n:
-        count = _collect_tile(row_ptr, first + full * stride, n, tau, buf_key_ptr, buf_idx_ptr, counter_ptr, count,
-                              cap, BLOCK, SUB, True, ATOMIC)
-    return count
+        count, ties = _collect_tile(row_ptr, first + full * stride, n, tau, buf_key_ptr, buf_idx_ptr, counter_ptr,
+                                    count, ties, cap, BLOCK, SUB, True, ATOMIC)
+    return count, ties
 
 
 @triton.jit
@@ -313,10 +323,28 @@ def _select_stream(row_ptr, n, tau, kmax, count, out_ptr, k, table_ptr, BLOCK: t
 
 
 @triton.jit
-def _select_row(row_ptr, n, buf_key_ptr, buf_idx_ptr, count, tau, kmax, out_ptr, k, cap, table_ptr,
+def _first_ties(row_ptr, n, tau, need, out_ptr, table_ptr, BLOCK: tl.constexpr, HAS_TABLE: tl.constexpr):
+    """The `need` lowest positions of row[0:n] whose key is tau (there are at least that many) ->
+    out[0:need], reading the row from its start only as far as the last of them."""
+    offs = tl.arange(0, BLOCK)
+    found = tl.zeros([], tl.int32)
+    s0 = tl.zeros([], tl.int32)
+    while (found < need) & (s0 < n):  # (s0 < n: a guard; the ties counted are all in row[0:n])
+        pos = s0 + offs
+        tie = (_key(tl.load(row_ptr + pos, mask=pos < n, other=float("-inf"))) == tau).to(tl.int32)
+        slot = found + tl.cumsum(tie, 0) - tie
+        _store_picked(out_ptr, slot, pos, (tie > 0) & (slot < need), table_ptr, HAS_TABLE)
+        found += tl.sum(tie)
+        s0 += BLOCK
+
+
+@triton.jit
+def _select_row(row_ptr, n, buf_key_ptr, buf_idx_ptr, count, ties, tau, kmax, out_ptr, k, cap, table_ptr,
                 CAP_PAD: tl.constexpr, BLOCK: tl.constexpr, TILE_PIVOTS: tl.constexpr, ROW_PIVOTS: tl.constexpr,
                 COUNT_BLOCK: tl.constexpr, HAS_TABLE: tl.constexpr):
-    """Step 3 for one row: from the row itself (n <= cap), the buffer (count <= cap), or the fallback."""
+    """Step 3 for one row: from the row itself (n <= cap); from the buffer of the `count` keys > tau
+    (count <= cap), with the lowest-positioned of the `ties` keys == tau after them when fewer than
+    k are above tau (the k-th largest is then tau itself); or the fallback."""
     offs = tl.arange(0, CAP_PAD)
     if n <= cap:
         keys = _key(tl.load(row_ptr + offs, mask=offs < n, other=float("-inf")))
@@ -325,9 +353,14 @@ def _select_row(row_ptr, n, buf_key_ptr, buf_idx_ptr, count, tau, kmax, out_ptr,
         ok = offs < count
         keys = tl.load(buf_key_ptr + offs, mask=ok, other=NEG_KEY)
         idx = tl.load(buf_idx_ptr + offs, mask=ok, other=0)
-        _select_tile(keys, idx, out_ptr, k, table_ptr, TILE_PIVOTS, BLOCK, HAS_TABLE)
+        _select_tile(keys, idx, out_ptr, tl.minimum(count, k), table_ptr, TILE_PIVOTS, BLOCK, HAS_TABLE)
+        if count < k:
+            need = tl.minimum(k - count, ties)
+            _first_ties(row_ptr, n, tau, need, out_ptr + count, table_ptr, BLOCK, HAS_TABLE)
+            _pad(out_ptr, count + need, k, BLOCK)
     else:
-        _select_stream(row_ptr, n, tau, kmax, count, out_ptr, k, table_ptr, BLOCK, ROW_PIVOTS, COUNT_BLOCK, HAS_TABLE)
+        _select_stream(row_ptr, n, tau, kmax, count + ties, out_ptr, k, table_ptr, BLOCK, ROW_PIVOTS, COUNT_BLOCK,
+                       HAS_TABLE)
 
 
 # ------------------------------------------------------------------------------ kernels
@@ -347,20 +380,21 @@ def _topk_fused_kernel(logits_ptr, key_len_ptr, out_ptr, buf_key_ptr, buf_idx_pt
     tau = tl.full([], NEG_KEY + 1, tl.int32)
     kmax = tl.full([], NEG_KEY, tl.int32)
     count = tl.zeros([], tl.int32)
+    ties = tl.zeros([], tl.int32)
     if n > cap:
         gkeys = _group_maxima(row, n, 0, GROUPS, ROWS, GROUPS)
         tau = _lower_bound(gkeys, k, PREFIX_BITS)
         kmax = tl.max(gkeys)
-        count = _collect(row, n, 0, BLOCK, tau, buf_key, buf_idx, buf_key, cap, BLOCK, SUB, False, STAGES)
+        count, ties = _collect(row, n, 0, BLOCK, tau, buf_key, buf_idx, buf_key, cap, BLOCK, SUB, False, STAGES)
     # The select step reads back buffer entries other warps of this program stored: without a
     # barrier some reads saw stale memory (a few rows in a thousand went wrong on an H200).
     tl.debug_barrier()
-    _select_row(row, n, buf_key, buf_idx, count, tau, kmax, out_ptr + t * stride_o, k, cap,
+    _select_row(row, n, buf_key, buf_idx, count, ties, tau, kmax, out_ptr + t * stride_o, k, cap,
                 _table_row(table_ptr, seq_ptr, t, stride_bt, HAS_TABLE), CAP_PAD, BLOCK, TILE_PIVOTS, ROW_PIVOTS,
                 COUNT_BLOCK, HAS_TABLE)
 
 
-# The split plan: per-row state [T, 4] int32 = (tau, kmax, candidate count, unused).
+# The split plan: per-row state [T, 4] int32 = (tau, kmax, candidates (keys > tau), keys == tau).
 @triton.jit
 def _group_max_kernel(logits_ptr, key_len_ptr, maxima_ptr, L, stride_t, cap,
                       HAS_KEY_LEN: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr, G: tl.constexpr):
@@ -376,7 +410,7 @@ def _group_max_kernel(logits_ptr, key_len_ptr, maxima_ptr, L, stride_t, cap,
 @triton.jit
 def _threshold_kernel(key_len_ptr, maxima_ptr, state_ptr, L, k, cap,
                       HAS_KEY_LEN: tl.constexpr, M: tl.constexpr, PREFIX_BITS: tl.constexpr):
-    """Program t: tau and kmax of row t from its M group maxima; zero its candidate counter."""
+    """Program t: tau and kmax of row t from its M group maxima; zero its counters."""
     t = tl.program_id(0).to(tl.int64)
     n = _row_len(key_len_ptr, t, L, HAS_KEY_LEN)
     tau = tl.full([], NEG_KEY + 1, tl.int32)
@@ -389,6 +423,7 @@ def _threshold_kernel(key_len_ptr, maxima_ptr, state_ptr, L, k, cap,
     tl.store(state, tau)
     tl.store(state + 1, kmax)
     tl.store(state + 2, 0)
+    tl.store(state + 3, 0)
 
 
 @triton.jit
@@ -401,8 +436,10 @@ def _collect_kernel(logits_ptr, key_len_ptr, state_ptr, buf_key_ptr, buf_idx_ptr
     n = _row_len(key_len_ptr, t, L, HAS_KEY_LEN)
     if n > cap:
         state = state_ptr + t * 4
-        _collect(logits_ptr + t * stride_t, n, s * BLOCK, tl.num_programs(1) * BLOCK, tl.load(state),
-                 buf_key_ptr + t * cap, buf_idx_ptr + t * cap, state + 2, cap, BLOCK, SUB, True, STAGES)
+        _, ties = _collect(logits_ptr + t * stride_t, n, s * BLOCK, tl.num_programs(1) * BLOCK, tl.load(state),
+                           buf_key_ptr + t * cap, buf_idx_ptr + t * cap, state + 2, cap, BLOCK, SUB, True, STAGES)
+        if ties > 0:
+            tl.atomic_add(state + 3, ties, sem="relaxed")
 
 
 @triton.jit
@@ -415,7 +452,8 @@ def _select_kernel(logits_ptr, key_len_ptr, state_ptr, buf_key_ptr, buf_idx_ptr,
     n = _row_len(key_len_ptr, t, L, HAS_KEY_LEN)
     state = state_ptr + t * 4
     _select_row(logits_ptr + t * stride_t, n, buf_key_ptr + t * cap, buf_idx_ptr + t * cap,
-                tl.load(state + 2), tl.load(state), tl.load(state + 1), out_ptr + t * stride_o, k, cap,
+                tl.load(state + 2), tl.load(state + 3), tl.load(state), tl.load(state + 1), out_ptr + t * stride_o, k,
+                cap,
                 _table_row(table_ptr, seq_ptr, t, stride_bt, HAS_TABLE), CAP_PAD, BLOCK, TILE_PIVOTS, ROW_PIVOTS,
                 COUNT_BLOCK, HAS_TABLE)
 
