@@ -71,6 +71,32 @@ def test_a_shared_prompt_prefix_is_reused_with_the_same_blocks():
     bm.check_invariants([b])
 
 
+
+def test_a_waiting_prompt_is_hashed_once(monkeypatch):
+    """The scheduler asks can_allocate() about the queue's head every step while the pool cannot hold
+    it, then allocate(): each of its blocks is hashed once over all of those (a 1M-token prompt is
+    16K hashes), and again only as far as blocks registered since extend its match. A sequence
+    allocated, run and preempted is hashed afresh (its tokens may have changed)."""
+    import megactx.engine.block_manager as module
+
+    calls = []
+    monkeypatch.setattr(module, "block_hash", lambda prev, toks: calls.append(1) or block_hash(prev, toks))
+    bm = BlockManager(8)
+    shared = tokens(3 * BS, start=1000)
+    a = prefilled(bm, 0, shared + tokens(5))  # 3 full blocks registered (4 in use)
+    calls.clear()
+    waiting = Sequence(1, shared + tokens(5 * BS, start=500))  # 3 blocks hit, then 5 new: the 4 free will not do
+    for _ in range(3):
+        assert not bm.can_allocate(waiting)
+    assert len(calls) == 4  # the 3 hits and the first miss, once
+    bm.free(a)
+    assert bm.can_allocate(waiting) and len(calls) == 4
+    bm.allocate(waiting)
+    assert waiting.num_cached_tokens == 3 * BS and len(calls) == 4
+    bm.free(waiting)
+    bm.can_allocate(waiting)
+    assert len(calls) == 4 + 4
+
 def test_a_partial_last_block_is_never_shared():
     bm = BlockManager(16)
     prompt = tokens(BS + 36)
