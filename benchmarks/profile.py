@@ -7,8 +7,9 @@ later runs would compute only a prompt's last block, a shape the warm-up never m
     decode   B prompts of P tokens of held-out code (random ids for a checkpoint without a
              tokenizer), M tokens generated each; one engine per γ of --num-speculative-tokens
              (0 = no speculation), so that a speculative step is seen beside a plain one
-    prefill  --prefill L: one prompt of L random token ids, 1 token generated (the long-context
-             prefill of a needle case: the indexers score every earlier key)
+    prefill  --prefill L: one prompt of L tokens of held-out code, around again as often as it
+             takes (random ids without a tokenizer), 1 token generated (the long-context prefill of
+             a needle case: the indexers score every earlier key)
 
 Per engine step (the engine's step log counts them): the wall time of the timed run; the host
 span of each part of a step (schedule, forward, sample or verify + propose, emit: the engine names
@@ -43,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from benchmarks.common import (
@@ -78,23 +80,31 @@ class Workload:
 
     def describe(self) -> str:
         if self.prefill:
-            return f"prefill of one prompt of {self.prefill:,} random token ids, 1 token generated"
+            return f"prefill of one prompt of {self.prefill:,} tokens, 1 token generated"
         return (f"decode: {self.batch} prompt(s) of {self.prompt_len} tokens, {self.output_len} generated each at "
                 f"temperature {self.temperature:g}")
 
 
 def prompts_for(model_dir: Path, vocab_size: int, w: Workload) -> tuple[list[list[int]], str]:
-    """(prompts, what they are): held-out code for decode when the checkpoint has a tokenizer,
-    random ids otherwise and for prefill (its cost does not depend on the text)."""
+    """(prompts, what they are): held-out code when the checkpoint has a tokenizer, random ids
+    otherwise. A prefill's one prompt runs through the held-out code from a line start and around
+    again as often as it takes, as a needle haystack does: its cost depends on the text, because the
+    indexers' top-k selects faster on some rows (ReLU'd logits with few keys above 0) than others."""
     from benchmarks.engine import random_prompts
     from benchmarks.spec import held_out_prompts, stdlib_held_out
 
-    if w.prefill:
-        return random_prompts(1, w.prefill, vocab_size, w.seed), "random token ids"
-    if (model_dir / "tokenizer.json").is_file():
-        split, version = stdlib_held_out(model_dir, vocab_size)
-        return held_out_prompts(split, w.batch, w.prompt_len, w.seed), f"held-out code of the Python {version} stdlib"
-    return random_prompts(w.batch, w.prompt_len, vocab_size, w.seed), "random token ids"
+    if not (model_dir / "tokenizer.json").is_file():
+        return random_prompts(w.batch if not w.prefill else 1, w.prefill or w.prompt_len, vocab_size, w.seed), \
+            "random token ids"
+    split, version = stdlib_held_out(model_dir, vocab_size)
+    what = f"held-out code of the Python {version} stdlib"
+    if not w.prefill:
+        return held_out_prompts(split, w.batch, w.prompt_len, w.seed), what
+    first = int(split.line_starts[w.seed % (len(split.line_starts) - 1)])
+    ids = split.tokens[(first + np.arange(w.prefill)) % split.num_tokens].astype("int64").tolist()
+    laps = f", {w.prefill / split.num_tokens:.1f} times over its {split.num_tokens:,} tokens" \
+        if w.prefill > split.num_tokens else ""
+    return [ids], what + laps
 
 
 def _steps(log: Path, skip: int) -> list[dict]:

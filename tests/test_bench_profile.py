@@ -115,6 +115,26 @@ def test_profile_of_a_prefill(ckpt, tmp_path):
     assert "no prefix cache" in (tmp_path / "profile-cpu.md").read_text()
 
 
+def test_a_prefill_prompt_is_held_out_code_around_again():
+    """With a tokenizer, a prefill's prompt is held-out code from a line start, around the split again
+    past its end (a needle haystack's text, on which the indexers' top-k costs what it costs there)."""
+    from pathlib import Path
+
+    from benchmarks.profile import Workload, prompts_for
+    from benchmarks.spec import stdlib_held_out
+
+    model = Path(__file__).resolve().parents[1] / "models" / "megactx-tiny"
+    split, _ = stdlib_held_out(model, 4096)
+    n = split.num_tokens
+    (ids,), what = prompts_for(model, 4096, Workload(prefill=n + 1000, seed=3))
+    assert len(ids) == n + 1000 and "held-out code" in what and "times over" in what
+    first = int(split.line_starts[3])
+    assert ids[: n - first] == split.tokens[first:].tolist() and ids[n - first: n] == split.tokens[:first].tolist()
+    assert ids[n:] == ids[: 1000]
+    (short,), what = prompts_for(model, 4096, Workload(prefill=100))
+    assert short == split.tokens[: 100].tolist() and "times over" not in what  # seed 0: the first line
+
+
 @pytest.mark.parametrize("extra, says", [(("--num-speculative-tokens", "-1"), "γ >= 0"),
                                          (("--prefill", "64", "--num-speculative-tokens", "2"), "without speculation"),
                                          (("--batch", "0"), "--batch must be at least 1")])
