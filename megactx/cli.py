@@ -13,6 +13,7 @@ from megactx import __version__
 def build_parser() -> argparse.ArgumentParser:
     from megactx.analysis.flops import add_flops_parser
     from megactx.demo import add_demo_parser
+    from megactx.engine.steplog import add_steplog_parser
     from megactx.generate import add_generate_parser
     from megactx.serve import add_serve_parser
     from megactx.train.cli import add_train_parser
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(sub)
     add_eval_parser(sub)
     add_indexshare_search_parser(sub)
+    add_steplog_parser(sub)
     return parser
 
 

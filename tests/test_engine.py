@@ -271,6 +271,9 @@ def test_the_step_log_has_a_line_for_every_step(model, tmp_path, capsys):
     assert f"{len(lines)} steps" in summary and "decode only" in summary and "with prefill" in summary
     assert "host p50" in summary
     assert steplog.main([str(tmp_path / "missing.jsonl")]) == 2
+    from megactx.cli import main  # the same as a subcommand, without runpy's double import of the module
+
+    assert main(["steplog", str(path), "--slowest", "3"]) == 0 and capsys.readouterr().out == summary
 
 
 def test_abort_frees_the_blocks(model):

@@ -2,7 +2,7 @@
 the named parts of a step that `megactx bench profile` reads from a torch.profiler trace.
 
     llm = LLM(path, step_log="steps.jsonl")        # or: megactx serve --step-log steps.jsonl
-    python -m megactx.engine.steplog steps.jsonl   # a summary: step times, and the slowest steps
+    megactx steplog steps.jsonl                    # a summary: step times, and the slowest steps
 
 A line: {"pid", "t" (time.perf_counter() at the step's start, s; one clock for every process of a
 machine), "ms" (the step's wall time), "seqs" (sequences scheduled), "tokens" (positions computed),
@@ -138,12 +138,19 @@ def summarize(lines: list[dict], slowest: int = 10) -> str:
     return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megactx.engine.steplog", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", type=Path, help="a step log (JSON lines) written by LLM(step_log=...) / --step-log")
     p.add_argument("--slowest", type=int, default=10, help="slowest steps listed per process (default 10)")
-    args = p.parse_args(argv)
+
+
+def add_steplog_parser(subparsers) -> None:
+    p = subparsers.add_parser("steplog", help="summarize a step log (--step-log of serve and eval needles)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
     if not args.path.is_file():
         print(f"no such file: {args.path}", file=sys.stderr)
         return 2
@@ -153,6 +160,14 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(summarize(lines, args.slowest))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m megactx.engine.steplog PATH` (the same as `megactx steplog PATH`)."""
+    p = argparse.ArgumentParser(prog="python -m megactx.engine.steplog", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run(p.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -128,7 +128,7 @@ def add_serve_parser(subparsers) -> None:
                         "(default: on with CUDA)")
     p.add_argument("--step-log", metavar="PATH",
                    help="append a JSON line for every engine step to PATH (its time, work, captures; "
-                        "`python -m megactx.engine.steplog PATH` summarizes it)")
+                        "`megactx steplog PATH` summarizes it)")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine in a process of its own, so the HTTP work never holds its GIL (default); "
                         "--no-engine-process runs it in a thread of the server's process (one process, and on the "

@@ -680,7 +680,7 @@ def add_eval_parser(subparsers: Any) -> None:
                         "cost 200/K prefills (the single task; default 1: a haystack each)")
     n.add_argument("--step-log", metavar="PATH", default=None,
                    help="append a JSON line for every engine step to PATH (its time and work: where a long "
-                        "context's time goes; `python -m megactx.engine.steplog PATH` summarizes it)")
+                        "context's time goes; `megactx steplog PATH` summarizes it)")
     n.add_argument("--no-progress", action="store_true", help="no progress bar (it shows on a terminal only)")
     common(n, None)
     n.set_defaults(func=run_needles)
