@@ -451,11 +451,10 @@ def _select_kernel(logits_ptr, key_len_ptr, state_ptr, buf_key_ptr, buf_idx_ptr,
     t = tl.program_id(0).to(tl.int64)
     n = _row_len(key_len_ptr, t, L, HAS_KEY_LEN)
     state = state_ptr + t * 4
-    _select_row(logits_ptr + t * stride_t, n, buf_key_ptr + t * cap, buf_idx_ptr + t * cap,
-                tl.load(state + 2), tl.load(state + 3), tl.load(state), tl.load(state + 1), out_ptr + t * stride_o, k,
-                cap,
-                _table_row(table_ptr, seq_ptr, t, stride_bt, HAS_TABLE), CAP_PAD, BLOCK, TILE_PIVOTS, ROW_PIVOTS,
-                COUNT_BLOCK, HAS_TABLE)
+    count, ties, tau, kmax = tl.load(state + 2), tl.load(state + 3), tl.load(state), tl.load(state + 1)
+    _select_row(logits_ptr + t * stride_t, n, buf_key_ptr + t * cap, buf_idx_ptr + t * cap, count, ties, tau, kmax,
+                out_ptr + t * stride_o, k, cap, _table_row(table_ptr, seq_ptr, t, stride_bt, HAS_TABLE), CAP_PAD,
+                BLOCK, TILE_PIVOTS, ROW_PIVOTS, COUNT_BLOCK, HAS_TABLE)
 
 
 # ------------------------------------------------------------------------------ host side
