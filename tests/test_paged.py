@@ -109,14 +109,16 @@ def test_chunked_prefill_and_decode_match_the_full_forward(backend):
         assert (logits - want).abs().max().item() <= 1e-4
 
 
-def test_fp8_indexer_cache_matches_the_simulated_fp8_indexer():
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fp8_indexer_cache_matches_the_simulated_fp8_indexer(backend):
     """An FP8 indexer cache selects what the reference's FP8 simulation selects (same rotation,
-    same per-row scales), so logits agree as closely as with exact caches."""
+    same per-row scales), so logits agree as closely as with exact caches; with the Triton kernels
+    too (the queries' rope, rotation and quantization in one kernel, the keys' in the KV write)."""
     model = _tiny()
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 128, (L,), generator=gen).tolist() for L in (70, 9)]
     steps = [[(0, 40), (1, 9)], [(0, 30)]]
-    got = _run_schedule(model, prompts, steps, kernel_ops("torch"), torch.float32, torch.uint8)
+    got = _run_schedule(model, prompts, steps, kernel_ops(backend), torch.float32, torch.uint8)
     model.set_attention(indexer_fp8=True)
     for prompt, logits in zip(prompts, got):
         with torch.no_grad():

@@ -30,3 +30,33 @@ def to_bf16(x):
     bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
     return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+# FP8 e4m3 on the bits rather than with `.to(tl.float8e4nv)` (as `to_bf16` does for bf16): the
+# interpreter (CPU CI) rounds fp8 ties away from zero and does not carry a rounding into the next
+# power of two (126.2 became 64, not 128), while the GPU rounds to nearest even. By hand, the CPU
+# tests check exactly the code the GPU runs, and both agree bit for bit with torch's casts.
+@triton.jit
+def e4m3_bits(x):
+    """x: fp32 with |x| <= 448 -> its e4m3fn encoding (int32 in 0..255), round to nearest even."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag = bits & 0x7FFFFFFF
+    # normal e4m3 (|x| >= 2^-6): keep 3 mantissa bits; an integer add rounds and carries into the
+    # exponent, then rebias the exponent from 127 to 7
+    normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - (120 << 3)
+    # subnormal e4m3 (steps of 2^-9): beside 2^14 an fp32 ulp is 2^-9, so the adder rounds for us
+    # and the low mantissa bits count the steps (8 steps = 2^-6 is code 8, the smallest normal)
+    subnormal = (tl.abs(x) + 16384.0).to(tl.int32, bitcast=True) - 0x46800000
+    return tl.where(mag >= 0x3C800000, normal, subnormal) | sign  # 0x3C800000 = 2^-6
+
+
+@triton.jit
+def quantize_e4m3(x):
+    """x: fp32 [G, D] groups (padding lanes 0) -> (e4m3 bytes [G, D] uint8, fp32 scales [G]),
+    x ≈ e4m3 · scale with scale = amax / 448, as `megactx.model.quant.quantize_rows` does."""
+    amax = tl.max(tl.abs(x), axis=1)
+    # div_rn: Triton's `/` is an approximate division on the GPU, the twin's an IEEE one
+    scale = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -448.0), 448.0)
+    return e4m3_bits(q).to(tl.uint8), scale

@@ -14,30 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
-from megactx.kernels.common import check_device, to_bf16
+from megactx.kernels.common import check_device, quantize_e4m3, to_bf16
 from megactx.kernels.reference import BLOCK_SIZE, SCALE_GROUP, mla_fp8_bytes
 
 _FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
-
-
-# ------------------------------------------------------------------------------ rounding
-# The casts are done on the bits rather than with `.to(tl.float8e4nv)` / `.to(tl.bfloat16)` (bf16: common.to_bf16):
-# the interpreter (CPU CI) truncates fp32 -> bf16 and rounds fp8 ties away from zero, while the
-# GPU rounds to nearest even. By hand, the CPU tests check exactly the code the GPU runs, and
-# both agree bit for bit with torch's casts. A handful of integer ops on a memory-bound kernel.
-@triton.jit
-def _e4m3_bits(x):
-    """x: fp32 with |x| <= 448 -> its e4m3fn encoding (int32 in 0..255), round to nearest even."""
-    bits = x.to(tl.int32, bitcast=True)
-    sign = (bits >> 24) & 0x80
-    mag = bits & 0x7FFFFFFF
-    # normal e4m3 (|x| >= 2^-6): keep 3 mantissa bits; an integer add rounds and carries into the
-    # exponent, then rebias the exponent from 127 to 7
-    normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - (120 << 3)
-    # subnormal e4m3 (steps of 2^-9): beside 2^14 an fp32 ulp is 2^-9, so the adder rounds for us
-    # and the low mantissa bits count the steps (8 steps = 2^-6 is code 8, the smallest normal)
-    subnormal = (tl.abs(x) + 16384.0).to(tl.int32, bitcast=True) - 0x46800000
-    return tl.where(mag >= 0x3C800000, normal, subnormal) | sign  # 0x3C800000 = 2^-6
 
 
 @triton.jit
@@ -48,17 +28,6 @@ def _to_cache(x, BF16: tl.constexpr):
     else:
         y = x.to(tl.float32)
     return y
-
-
-@triton.jit
-def _quantize_e4m3(x):
-    """x: fp32 [G, D] groups (padding lanes 0) -> (e4m3 bytes [G, D] uint8, fp32 scales [G]),
-    x ≈ e4m3 · scale with scale = amax / 448 as in the twin."""
-    amax = tl.max(tl.abs(x), axis=1)
-    # div_rn: Triton's `/` is an approximate division on the GPU, the twin's an IEEE one
-    scale = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
-    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -448.0), 448.0)
-    return _e4m3_bits(q).to(tl.uint8), scale
 
 
 # ------------------------------------------------------------------------------ kernel
@@ -96,7 +65,7 @@ def _write_kv_kernel(
         d = g * GROUP + tl.arange(0, GROUP)[None, :]  # [G, GROUP]
         mask = d < R
         x = tl.load(c_ptr + tok * stride_cn + d * stride_cd, mask=mask, other=0.0).to(tl.float32)
-        values, scale = _quantize_e4m3(x)
+        values, scale = quantize_e4m3(x)
         tl.store(row + d, values, mask=mask)
         gs = tl.arange(0, BLOCK_R // GROUP)
         tl.store((row + R).to(tl.pointer_type(tl.float32)) + gs, scale, mask=gs < NG)
@@ -115,7 +84,7 @@ def _write_kv_kernel(
         if INDEX_FP8:
             block_base = idx_ptr + (slot // BLOCK) * (BLOCK * (DI + 4))
             offset = slot % BLOCK
-            values, scale = _quantize_e4m3(k)
+            values, scale = quantize_e4m3(k)
             tl.store(block_base + offset * DI + di, values, mask=di < DI)
             tl.store((block_base + BLOCK * DI).to(tl.pointer_type(tl.float32)) + offset + tl.arange(0, 1), scale)
         else:  # exact keys: [num_blocks, 64 * DI] of the cache's float dtype, a key every DI values

@@ -204,6 +204,18 @@ def indexer_logits_contiguous(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor,
     return logits.masked_fill(~visible, float("-inf"))
 
 
+def index_queries_fp8(q: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool,
+                      rope_dims: int, rotation: torch.Tensor, w_scale_heads: float,
+                      w_scale_dim: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 indexer queries of a full layer (twin of megactx.kernels.index_queries): q [T, HI, DI]
+    before rope, w [T, HI] fp32 -> (rope, then the rotation in fp32, quantized a head a row: e4m3
+    [T, HI, DI]; w · w_scale_heads · w_scale_dim · each head's scale [T, HI] fp32)."""
+    from megactx.model.layers import rope_first  # (megactx.model imports this module)
+
+    q8, scale = quantize_rows(rope_first(q[None], cos, sin, interleave, rope_dims)[0].float() @ rotation)
+    return q8, w * w_scale_heads * w_scale_dim * scale
+
+
 def logical_to_slots(block_table: torch.Tensor, seq_idx: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """positions: [T, K] logical key positions (-1 = none) of sequence seq_idx[t] -> slots [T, K], -1 kept."""
     blocks = block_table[seq_idx.long()].long()  # [T, max_blocks]

@@ -19,6 +19,19 @@ from megactx.kernels.common import check_device, to_bf16
 
 
 @triton.jit
+def rotate_pairs(row, i, mask, c, sn, INTERLEAVE: tl.constexpr, HALF: tl.constexpr):
+    """The rotated pairs i of the rope dims at `row` (i: offsets [..., n]): pairs (2i, 2i + 1) when
+    INTERLEAVE, else (i, i + HALF) -> (firsts, seconds) fp32, x1 cos - x2 sin and x2 cos + x1 sin."""
+    if INTERLEAVE:
+        x1 = tl.load(row + 2 * i, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(row + 2 * i + 1, mask=mask, other=0.0).to(tl.float32)
+    else:
+        x1 = tl.load(row + i, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(row + HALF + i, mask=mask, other=0.0).to(tl.float32)
+    return x1 * c - x2 * sn, x2 * c + x1 * sn
+
+
+@triton.jit
 def _rope_kernel(
     x_ptr, stride_xb, stride_xs, stride_xh,   # x: [B, S, H, D], last dim contiguous
     cos_ptr, sin_ptr, stride_cb, stride_cs,   # cos / sin: [B or 1, S, ROPE] ([cos | cos], [-sin | sin])
@@ -37,14 +50,7 @@ def _rope_kernel(
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
     mask = (h < H) & (i[None, :] < HALF)
     row = x_ptr + b * stride_xb + s * stride_xs + h * stride_xh
-    if INTERLEAVE:  # pairs (0, 1), (2, 3), ...
-        x1 = tl.load(row + 2 * i[None, :], mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(row + 2 * i[None, :] + 1, mask=mask, other=0.0).to(tl.float32)
-    else:  # pairs (i, i + ROPE / 2)
-        x1 = tl.load(row + i[None, :], mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(row + HALF + i[None, :], mask=mask, other=0.0).to(tl.float32)
-    first = x1 * c[None, :] - x2 * sn[None, :]
-    second = x2 * c[None, :] + x1 * sn[None, :]
+    first, second = rotate_pairs(row, i[None, :], mask, c[None, :], sn[None, :], INTERLEAVE, HALF)
     out = out_ptr + (tok * H + h) * D
     if OUT_BF16:
         tl.store(out + i[None, :], to_bf16(first), mask=mask)

@@ -106,14 +106,17 @@ class Indexer(nn.Module):
         already (in MLA's fused input projection)."""
         return rope(self.k_norm(self.wk(x) if wk_x is None else wk_x), cos, sin, self.rope_interleave, self.rope_dim)
 
+    def projections(self, x: torch.Tensor, q_resid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> q: [B, S, HI, DI] before rope, w: [B, S, HI] fp32 head weights before their scaling."""
+        B, S, _ = x.shape
+        q = self.wq_b(q_resid).view(B, S, self.n_heads, self.head_dim)
+        return q, self.weights_proj(x.to(self.weights_proj.weight.dtype)).float()
+
     def queries(self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 rope=rope_first) -> tuple[torch.Tensor, torch.Tensor]:
         """-> q: [B, S, HI, DI], w: [B, S, HI] fp32 (head weights with HI^-1/2 folded in)."""
-        B, S, _ = x.shape
-        q = rope(self.wq_b(q_resid).view(B, S, self.n_heads, self.head_dim), cos, sin, self.rope_interleave,
-                 self.rope_dim)
-        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads**-0.5
-        return q, w
+        q, w = self.projections(x, q_resid)
+        return rope(q, cos, sin, self.rope_interleave, self.rope_dim), w * self.n_heads**-0.5
 
     def scores(self, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, fp8: bool = False) -> torch.Tensor:
         """q: [B, S, HI, DI], w: [B, S, HI], k: [B, T, DI] -> [B, S, T] fp32, no mask applied.
@@ -294,13 +297,14 @@ class MLA(nn.Module):
         if topk is None:
             if self.indexer is None or cache.index is None:
                 raise ValueError("a shared-indexer layer needs the top-k of its full layer")
-            q_idx, w = self.indexer.queries(x, q_resid, cos, sin, ops.rope)  # [1, T, HI, DI], [1, T, HI] fp32
-            q_idx, w = q_idx[0], w[0] * self.indexer.head_dim**-0.5
-            if fp8_index:
-                q_idx, q_scale = quantize_rows(q_idx.float() @ self.indexer.rotation(x.device))  # e4m3, [T, HI]
-                w = w * q_scale  # scales are positive: they move out of the ReLU into the head weights
+            idx = self.indexer
+            if fp8_index:  # rope, rotation, FP8 a head a row; the scales (positive) move out of the ReLU into w
+                q_idx, w = idx.projections(x, q_resid)  # [1, T, HI, DI] before rope, [1, T, HI] fp32
+                q_idx, w = ops.index_queries_fp8(q_idx[0], w[0], cos, sin, idx.rope_interleave, idx.rope_dim,
+                                                 idx.rotation(x.device), idx.n_heads**-0.5, idx.head_dim**-0.5)
             else:
-                q_idx = q_idx.to(cache.index.dtype)
+                q_idx, w = idx.queries(x, q_resid, cos, sin, ops.rope)  # [1, T, HI, DI], [1, T, HI] fp32
+                q_idx, w = q_idx[0].to(cache.index.dtype), w[0] * idx.head_dim**-0.5
             topk = ops.indexer_topk(q_idx, w, cache.index, batch.block_table, batch.seq_idx, batch.key_len,
                                     self.indexer.topk, batch.indexer_chunk(), batch.key_len_host)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -45,6 +45,8 @@ class KernelOps:
     indexer_topk: Callable  # (q, w, index_cache, block_table, seq_idx, key_len, k, chunk_tokens, key_len_host)
     sparse_mla: Callable  # (q, kv_cache, topk_slots, softmax_scale, kv_lora_rank, topk_len) -> (out, lse)
     rope: Callable = rope_first  # (x, cos, sin, interleave, rope_dims=None) -> roped copy of x
+    # (q, w, cos, sin, interleave, rope_dims, rotation, w_scale_heads, w_scale_dim) -> (q8, w): FP8 indexer queries
+    index_queries_fp8: Callable = field(default_factory=lambda: ref.index_queries_fp8)  # (read at call time)
 
 
 def kernel_ops(backend: str) -> KernelOps:
@@ -52,12 +54,19 @@ def kernel_ops(backend: str) -> KernelOps:
     if backend == "torch":
         return KernelOps(ref.write_kv, ref.indexer_topk_chunked, ref.sparse_mla)
     if backend == "triton":
+        from megactx.kernels.index_queries import fits, index_queries_fp8
         from megactx.kernels.indexer import indexer_topk_chunked
         from megactx.kernels.kv_write import write_kv
         from megactx.kernels.rope import rope_first as fused_rope
         from megactx.kernels.sparse_mla import sparse_mla
 
-        return KernelOps(write_kv, indexer_topk_chunked, sparse_mla, fused_rope)
+        def index_queries(q, w, cos, sin, interleave, rope_dims, *scales):
+            """The kernel where it takes the geometry and dtype (megactx-tiny's, GLM-5.x's), else the twin."""
+            fused = fits(q.shape[-1], rope_dims) and q.dtype in (torch.bfloat16, torch.float32)
+            return (index_queries_fp8 if fused else ref.index_queries_fp8)(q, w, cos, sin, interleave, rope_dims,
+                                                                             *scales)
+
+        return KernelOps(write_kv, indexer_topk_chunked, sparse_mla, fused_rope, index_queries)
     raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
 
 
