@@ -44,7 +44,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from benchmarks.common import (
@@ -101,7 +100,7 @@ def prompts_for(model_dir: Path, vocab_size: int, w: Workload) -> tuple[list[lis
     if not w.prefill:
         return held_out_prompts(split, w.batch, w.prompt_len, w.seed), what
     first = int(split.line_starts[w.seed % (len(split.line_starts) - 1)])
-    ids = split.tokens[(first + np.arange(w.prefill)) % split.num_tokens].astype("int64").tolist()
+    ids = split.around(first, w.prefill).astype("int64").tolist()
     laps = f", {w.prefill / split.num_tokens:.1f} times over its {split.num_tokens:,} tokens" \
         if w.prefill > split.num_tokens else ""
     return [ids], what + laps

@@ -77,6 +77,11 @@ def fits(head_dim: int, rope_dims: int) -> bool:
     return pow2_16(head_dim) and rope_dims % 2 == 0 and pow2_16(rope_dims // 2) and (rest == 0 or pow2_16(rest))
 
 
+def takes(q: torch.Tensor, rope_dims: int) -> bool:
+    """Whether `index_queries_fp8` takes these queries: bf16 or fp32, and a geometry that `fits`."""
+    return q.dtype in (torch.bfloat16, torch.float32) and fits(q.shape[-1], rope_dims)
+
+
 def index_queries_fp8(q: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool,
                       rope_dims: int, rotation: torch.Tensor, w_scale_heads: float,
                       w_scale_dim: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,4 +119,4 @@ def index_queries_fp8(q: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: 
     return q8.view(FP8), w_out
 
 
-__all__ = ["fits", "index_queries_fp8"]
+__all__ = ["fits", "index_queries_fp8", "takes"]

@@ -54,7 +54,7 @@ def kernel_ops(backend: str) -> KernelOps:
     if backend == "torch":
         return KernelOps(ref.write_kv, ref.indexer_topk_chunked, ref.sparse_mla)
     if backend == "triton":
-        from megactx.kernels.index_queries import fits, index_queries_fp8
+        from megactx.kernels.index_queries import index_queries_fp8, takes
         from megactx.kernels.indexer import indexer_topk_chunked
         from megactx.kernels.kv_write import write_kv
         from megactx.kernels.rope import rope_first as fused_rope
@@ -62,9 +62,8 @@ def kernel_ops(backend: str) -> KernelOps:
 
         def index_queries(q, w, cos, sin, interleave, rope_dims, *scales):
             """The kernel where it takes the geometry and dtype (megactx-tiny's, GLM-5.x's), else the twin."""
-            fused = fits(q.shape[-1], rope_dims) and q.dtype in (torch.bfloat16, torch.float32)
-            return (index_queries_fp8 if fused else ref.index_queries_fp8)(q, w, cos, sin, interleave, rope_dims,
-                                                                             *scales)
+            return (index_queries_fp8 if takes(q, rope_dims) else ref.index_queries_fp8)(
+                q, w, cos, sin, interleave, rope_dims, *scales)
 
         return KernelOps(write_kv, indexer_topk_chunked, sparse_mla, fused_rope, index_queries)
     raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")

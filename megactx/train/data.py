@@ -82,6 +82,10 @@ class SplitTokens:
     def document(self, j: int) -> np.ndarray:
         return self.tokens[self.doc_starts[j] : self.doc_starts[j + 1]]
 
+    def around(self, first: int, length: int) -> np.ndarray:
+        """[length] ids from token `first` on, around the split again past its end (a long haystack)."""
+        return self.tokens[(first + np.arange(length)) % self.num_tokens]
+
 
 @dataclass(frozen=True)
 class TokenizedCorpus:

@@ -194,7 +194,7 @@ class NeedleGenerator:
     """Needle cases whose haystacks are the code of one split (`TrainingData.needles(split)`)."""
 
     def __init__(self, haystack: SplitTokens, tokenizer: Tokenizer):
-        self.tokens = haystack.tokens  # [n] int32
+        self.haystack = haystack  # the split's token ids, back to back
         self.line_starts = haystack.line_starts[:-1]  # [num_lines]
         self.tokenizer = tokenizer
         self.newline_id = tokenizer.token_to_id(NEWLINE_TOKEN)
@@ -257,10 +257,10 @@ class NeedleGenerator:
     def _haystack(self, length: int, rng: random.Random) -> tuple[np.ndarray, np.ndarray]:
         """[length] ids: whole lines from a random line on (wrapping around), the last cut to
         length - 1 tokens and ended by a newline; and the sorted line boundaries, 0 and length included."""
-        n = len(self.tokens)
+        n = self.haystack.num_tokens
         first = int(self.line_starts[rng.randrange(len(self.line_starts))])
         body = length - 1
-        ids = np.append(self.tokens[(first + np.arange(body)) % n], self.newline_id)
+        ids = np.append(self.haystack.around(first, body), self.newline_id)
         rel = (self.line_starts - first) % n  # line starts relative to the first line, one lap
         laps = body // n + 1
         bounds = (rel[None, :] + n * np.arange(laps)[:, None]).ravel()
