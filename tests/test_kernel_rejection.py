@@ -1,14 +1,8 @@
 """The acceptance rule of speculative sampling in two launches (`megactx.kernels.rejection`) against its
 twin `reference.rejection_rows`, given the same random draws. Without a GPU the kernel runs in the
-Triton interpreter (set by conftest); a subprocess also compiles it for sm_90."""
+Triton interpreter (set by conftest); tests/test_bench_compile.py compiles its launches for sm_90."""
 
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -108,40 +102,6 @@ def test_rejection_rows_refuse_bad_inputs():
         rejection_rows(p, drafts, qp, num_drafts, u.double(), noise, PAD)
     with pytest.raises(ValueError, match="draft_probs"):
         rejection_rows(p, drafts, qp[:, :2], num_drafts, u, noise, PAD)
-
-
-def test_rejection_kernel_builds_for_sm90():
-    # Any machine: compile both kernels for sm_90 (ptxas ships with Triton), with and without q and
-    # num_drafts. In a subprocess: the interpreter that conftest turns on without a GPU cannot compile.
-    code = """
-import json, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from megactx.kernels import rejection as r
-INT64 = ("draft_ptr", "nd_ptr", "tok_ptr", "nacc_ptr")
-CONSTS = {"HAS_Q": False, "HAS_ND": False, "BLOCK_V": 1024, "BLOCK_K": 8, "BLOCK_S": 64, "ONE_SLICE": False}
-ok = []
-for fn in (r._race_kernel, r._emit_kernel):
-    for has_q in (False, True):
-        for has_nd in (False, True):
-            sig, consts = {}, {}
-            for name in fn.arg_names:
-                if name.endswith("_ptr"):
-                    sig[name] = "*i64" if name in INT64 else "*i32" if name == "at_ptr" else "*fp32"
-                elif name in CONSTS:
-                    sig[name] = "constexpr"
-                    consts[name] = {"HAS_Q": has_q, "HAS_ND": has_nd, "ONE_SLICE": has_nd}.get(name, CONSTS[name])
-                else:
-                    sig[name] = "i32"
-            k = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32))
-            ok.append(len(k.asm["cubin"]) > 0)
-print(json.dumps(ok))
-"""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          cwd=Path(__file__).resolve().parents[1])
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == [True] * 8
 
 
 @pytest.mark.gpu
