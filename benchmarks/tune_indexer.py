@@ -30,6 +30,7 @@ Usage (CUDA; about 4 minutes on an H200, much of it compilation):
 
     python benchmarks/tune_indexer.py [--budget-s 230] [--quick] [--out benchmarks/results]
     python benchmarks/tune_indexer.py --static    # any machine: sm_90 registers / spills / shared / pipeline
+    python benchmarks/tune_indexer.py --heads 4 --head-dim 64   # megactx-tiny's indexer
 
 Writes tune_indexer.json and tune_indexer.md into --out. The winners belong in the defaults of
 `megactx.kernels.indexer` (FP8_COLUMNS, STAGES, LONE_STAGES, FP8_MAX_REGISTERS, PROGRAMS_PER_SM).
@@ -87,6 +88,9 @@ def candidates(HI: int, quick: bool) -> list[Candidate]:
     if quick:
         return out
     wide = 256 // HI  # rows of a 256-column program
+    if HI < 16:  # few heads (megactx-tiny): the default's 128 rows x 64 keys of fp32 spill at the cap
+        out += [Candidate(f"64 cols (bm {64 // HI})", {"block_m": 64 // HI}),
+                Candidate(f"64 cols (bm {64 // HI}), regs 255", {"block_m": 64 // HI, "max_registers": 255})]
     out += [
         Candidate("regs 255", {"max_registers": 255}),
         Candidate("regs 128", {"max_registers": 128}),
@@ -425,16 +429,22 @@ def static_profile(HI: int, knobs: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global HEADS, DI, KEY_BYTES
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results",
                         help="folder for tune_indexer.json and .md (default benchmarks/results)")
     parser.add_argument("--budget-s", type=float, default=230.0,
                         help="wall-clock seconds after which the remaining candidates are skipped (default 230)")
     parser.add_argument("--quick", action="store_true", help="the default config only")
+    parser.add_argument("--heads", type=int, nargs="+", default=list(HEADS),
+                        help=f"indexer heads (default {' '.join(map(str, HEADS))}; megactx-tiny: 4)")
+    parser.add_argument("--head-dim", type=int, default=DI, help=f"indexer head dim (default {DI}; megactx-tiny: 64)")
     parser.add_argument("--static", action="store_true",
                         help="no GPU needed: compile every candidate for sm_90 and print registers, spills, shared "
                              "memory and pipeline buffers")
     args = parser.parse_args(argv)
+    HEADS, DI = tuple(args.heads), args.head_dim
+    KEY_BYTES = DI + 4
     if args.static:
         for HI in HEADS:
             for cand in candidates(HI, args.quick):

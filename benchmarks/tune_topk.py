@@ -3,8 +3,10 @@
     python3 benchmarks/tune_topk.py            # every case, a one-knob-at-a-time sweep around the defaults
     python3 benchmarks/tune_topk.py --quick    # defaults only
     python3 benchmarks/tune_topk.py --cases decode prefill --no-logits
+    python3 benchmarks/tune_topk.py --k 128 --cases prefill --no-logits   # megactx-tiny's top-k
+    python3 benchmarks/tune_topk.py --sweep max_registers stages          # only these knobs
 
-Cases (k = 2048): decode 64 x 1M, the last 4096-row chunk of a causal 64K prefill, 1024 x 128K and
+Cases (k = 2048 unless --k): decode 64 x 1M, the last 4096-row chunk of a causal 64K prefill, 1024 x 128K and
 256 x 1M, on i.i.d. normal logits (-inf beyond each row's key_len, as the indexer writes them). Each
 line: ms (triton.testing.do_bench, L2 flushed between repetitions), GB/s = visible logits bytes
 (read once) / time, next to the device copy bandwidth measured in the same run, the speed-up over
@@ -82,8 +84,9 @@ CASES = {
 }
 
 
-def sweep(plan: TopkPlan) -> list[TopkConfig]:
-    """The default config, then one knob at a time around it (the knobs of the plan the case takes)."""
+def sweep(plan: TopkPlan, knobs: list[str] | None = None) -> list[TopkConfig]:
+    """The default config, then one knob at a time around it (the knobs of the plan the case takes;
+    only `knobs` where given, "programs_per_row" among them for the other plan)."""
     base = TopkConfig()
     out = [base]
     variants = {
@@ -95,15 +98,18 @@ def sweep(plan: TopkPlan) -> list[TopkConfig]:
         "groups": [4096, 8192, 16384],
         "tile_pivots": [1, 2, 4],
         "candidates": [4096, 8192],
+        "max_registers": [128, 168],
     }
     current = {"num_warps": plan.num_warps, "block": plan.block, "stages": plan.stages,
                "max_tile": plan.rows * plan.seg_groups,
                "sub_block": plan.sub_block, "groups": plan.groups, "tile_pivots": base.tile_pivots,
-               "candidates": plan.cap}
+               "candidates": plan.cap, "max_registers": base.max_registers}
     for knob, values in variants.items():
-        out += [dataclasses.replace(base, **{knob: v}) for v in values if v != current[knob]]
+        if knobs is None or knob in knobs:
+            out += [dataclasses.replace(base, **{knob: v}) for v in values if v != current[knob]]
     splits = (plan.split // 2, plan.split * 2) if plan.split > 1 else (2, 4)  # fused: against the split plan
-    out += [dataclasses.replace(base, programs_per_row=p) for p in splits if p >= 2]
+    if knobs is None or "programs_per_row" in knobs:
+        out += [dataclasses.replace(base, programs_per_row=p) for p in splits if p >= 2]
     return out
 
 
@@ -131,10 +137,10 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / time_ms(lambda: dst.copy_(src)) / 1e6
 
 
-def run_case(case: Case, quick: bool, ceiling: float) -> None:
+def run_case(case: Case, quick: bool, ceiling: float, knobs: list[str] | None = None) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     logits, key_len = case.inputs(gen)
-    time_configs(case, logits, key_len, quick, ceiling)
+    time_configs(case, logits, key_len, quick, ceiling, knobs)
     # 1000 levels: ties straddle the threshold inside the buffer; 10: the top level is the threshold
     # itself, its lowest copies read from the row's start (so are the ReLU rows' zeros)
     for levels in (1000, 10):
@@ -143,7 +149,8 @@ def run_case(case: Case, quick: bool, ceiling: float) -> None:
     time_ties(case, "the fallback: normal logits, candidates = k", logits, key_len, TopkConfig(candidates=K))
 
 
-def time_configs(case: Case, logits: torch.Tensor, key_len: torch.Tensor | None, quick: bool, ceiling: float) -> None:
+def time_configs(case: Case, logits: torch.Tensor, key_len: torch.Tensor | None, quick: bool, ceiling: float,
+                 knobs: list[str] | None = None) -> None:
     gb = case.visible_bytes() / 1e9
     t_torch = time_ms(lambda: torch.topk(logits, K, dim=-1))
     print(f"\n== {case.name}: {case.visible_bytes() / MiB:.0f} MiB visible logits; torch.topk {t_torch:.3f} ms "
@@ -152,7 +159,7 @@ def time_configs(case: Case, logits: torch.Tensor, key_len: torch.Tensor | None,
     out = torch.empty(case.T, K, dtype=torch.int32, device="cuda")
     results = []
     default_plan = TopkPlan.make(case.T, case.L, K, TopkConfig(), logits.device)
-    for cfg in [TopkConfig()] if quick else sweep(default_plan):
+    for cfg in [TopkConfig()] if quick else sweep(default_plan, knobs):
         try:
             plan = TopkPlan.make(case.T, case.L, K, cfg, logits.device)
             topk_rows(logits, K, key_len, out, config=cfg)
@@ -162,7 +169,8 @@ def time_configs(case: Case, logits: torch.Tensor, key_len: torch.Tensor | None,
             print(f"{str(cfg):78.78s} failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
             continue
         results.append((ms, plan, cfg))
-        print(f"{describe(plan) + ' pivots=' + str(cfg.tile_pivots):78s} {ms:8.3f} {gb / ms * 1e3:6.0f} "
+        knobs = f" pivots={cfg.tile_pivots}" + (f" maxnreg={cfg.max_registers}" if cfg.max_registers else "")
+        print(f"{describe(plan) + knobs:78s} {ms:8.3f} {gb / ms * 1e3:6.0f} "
               f"{t_torch / ms:7.1f}x  {'ok' if ok else 'WRONG'}", flush=True)
     if results:
         ms, plan, cfg = min(results, key=lambda r: r[0])
@@ -215,18 +223,23 @@ def logits_then_topk(ceiling: float) -> None:
 
 
 def main() -> None:
+    global K
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="time the default config only")
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
     parser.add_argument("--no-logits", action="store_true", help="skip the indexer logits + top-k comparison")
+    parser.add_argument("--sweep", nargs="+", default=None, metavar="KNOB",
+                        help="sweep only these TopkConfig knobs (e.g. max_registers programs_per_row)")
+    parser.add_argument("--k", type=int, default=K, help=f"rows' top-k (default {K}, GLM-5.2's; megactx-tiny: 128)")
     args = parser.parse_args()
+    K = args.k
     if not torch.cuda.is_available():
         sys.exit("tune_topk.py times CUDA kernels: no CUDA device here")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, k = {K}")
     start = time.time()
     ceiling = copy_bandwidth()
     for name in args.cases:
-        run_case(CASES[name], args.quick, ceiling)
+        run_case(CASES[name], args.quick, ceiling, args.sweep)
         torch.cuda.empty_cache()
         print(f"({time.time() - start:.0f} s so far)", flush=True)
     if not args.no_logits:

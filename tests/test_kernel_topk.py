@@ -419,3 +419,18 @@ def test_the_twin_selects_what_the_kernel_documents(levels):
         x[torch.rand(T, L, generator=gen) < 0.2] = float("-inf")
         key_len = _key_len(T, L, gen, k)
         _check(x, k, key_len, ref.topk_rows(x, k, key_len))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="records the interpreter's launches")
+@pytest.mark.parametrize("programs_per_row", [1, 2])
+def test_max_registers_caps_every_launch_of_either_plan(programs_per_row):
+    from benchmarks.compile import recording
+
+    logits = torch.randn(2, 1024)
+    cfg = TopkConfig(max_registers=128, programs_per_row=programs_per_row, candidates=256, groups=512)
+    with recording() as recorder:
+        got = topk_rows(logits, 64, config=cfg)
+    _check(logits, 64, None, got)
+    launches = list(recorder.launches.values())
+    assert len(launches) == (1 if programs_per_row == 1 else 4)
+    assert all(x.options.get("maxnreg") == 128 for x in launches)

@@ -482,7 +482,9 @@ class TopkConfig:
         for the overflow fallback over the row (a step narrows the key range by pivots + 1).
         tile_pivots None = 1 on a GPU (a step is cheap there; more pivots cost registers) and
         INTERPRETER_TILE_PIVOTS under the interpreter, which pays per operation rather than per
-        element (32 one-pivot steps a row made the CPU tests of the whole model crawl)."""
+        element (32 one-pivot steps a row made the CPU tests of the whole model crawl).
+    max_registers: a thread's register cap for every launch (Triton's maxnreg); None = the
+        compiler's choice."""
 
     block: int | None = None
     sub_block: int | None = None
@@ -494,13 +496,17 @@ class TopkConfig:
     programs_per_row: int | None = None
     tile_pivots: int | None = None
     row_pivots: int = 16
+    max_registers: int | None = None
     INTERPRETER_TILE_PIVOTS = 64
 
     # The fused plan holds the select step's register tile in the same kernel as the streaming
-    # passes: at these sizes it takes <= 128 registers a thread, so two programs share a
-    # multiprocessor (one's selection overlaps the other's loads) with 64 KB of loads in flight
-    # between them (Triton 3.6, sm_90). The split plan's streaming kernels take ~56 registers and
-    # run four programs a multiprocessor. Timed on an H200 (benchmarks/tune_topk.py, k = 2048):
+    # passes: with <= 128 registers a thread two 8-warp programs share a multiprocessor (one's
+    # selection overlaps the other's loads) with 64 KB of loads in flight between them. Triton 3.9
+    # compiles it to 125-135 registers at k = 128 and 2048, but Triton 3.6 (the H200 image's) to
+    # 171-186 (`megactx bench compile`; 173-184 before the tie path): one program a multiprocessor.
+    # max_registers = 128 holds it there at 112 B of spill (not yet timed: tune_topk.py --sweep
+    # max_registers). The split plan's streaming kernels take ~56 registers and run four programs
+    # a multiprocessor. Timed on an H200 (benchmarks/tune_topk.py, k = 2048):
     # fused sub_block 2048 beat 512 by 1.3x (4096 x 64K causal: 1.84 vs 2.40 ms; 1024 x 128K: 0.91
     # vs 1.19 ms); split with 4 warps beat 8 by 1.3x (64 x 1M: 0.33 vs 0.43 ms; 256 x 1M: 1.16 vs
     # 1.59 ms) — 2.6x faster than torch.topk. With the split plan's atomic collect (one read, no
@@ -642,7 +648,8 @@ def topk_rows(logits: torch.Tensor, k: int, key_len: torch.Tensor | None = None,
     has_table = block_table is not None
     table, seq = (block_table, seq_idx) if has_table else (out, out)  # unread without HAS_TABLE
     stride_bt = block_table.stride(0) if has_table else 0
-    common = dict(HAS_KEY_LEN=has_key_len, num_warps=plan.num_warps)
+    common = dict(HAS_KEY_LEN=has_key_len, num_warps=plan.num_warps,
+                  **({"maxnreg": cfg.max_registers} if cfg.max_registers is not None else {}))
     tile_pivots = cfg.tile_pivots or (cfg.INTERPRETER_TILE_PIVOTS if INTERPRET else 1)
     select = dict(CAP_PAD=plan.cap_pad, BLOCK=plan.block, TILE_PIVOTS=tile_pivots, ROW_PIVOTS=cfg.row_pivots,
                   COUNT_BLOCK=plan.count_block)
