@@ -48,8 +48,12 @@ from benchmarks.common import Progress, md_table, write_json
 
 HELP = "compile every Triton launch of an engine run for a GPU (default sm_90) on a CPU: registers, spills, shared"
 RESULTS = Path(__file__).resolve().parent / "results"
-# The shared memory a block may use, by compute capability (the CUDA programming guide's table).
+# By compute capability (the CUDA programming guide's tables): the shared memory a block may use,
+# a multiprocessor's shared memory (1 KiB of it reserved a block) and its resident warps; every one
+# has 64K registers, allocated a warp at a time in units of 256, and at most 32 resident blocks.
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024, 120: 99 * 1024}
+SM_SHARED = {80: 164 * 1024, 86: 100 * 1024, 89: 100 * 1024, 90: 228 * 1024, 100: 228 * 1024, 120: 100 * 1024}
+SM_WARPS = {80: 64, 86: 48, 89: 48, 90: 64, 100: 64, 120: 48}
 OPTIONS = ("num_warps", "num_stages", "maxnreg")  # launch options a kernel call may pass
 
 
@@ -184,6 +188,18 @@ class Compiled:
     spill_bytes: int | None = None
     shared_bytes: int | None = None
     error: str | None = None
+    warps: int | None = None
+
+    def programs_per_sm(self, arch: int) -> int | None:
+        """Programs of this launch resident on one multiprocessor of sm_<arch> at once, as registers,
+        warps and shared memory allow (the occupancy that hides one program's loads behind another's
+        work); None where unknown."""
+        if self.registers is None or self.warps is None or self.shared_bytes is None or arch not in SM_WARPS:
+            return None
+        per_warp = -(-self.registers * 32 // 256) * 256
+        by_registers = (65536 // per_warp) // self.warps
+        by_shared = SM_SHARED[arch] // (self.shared_bytes + 1024)
+        return min(by_registers, SM_WARPS[arch] // self.warps, by_shared, 32)
 
 
 def compile_api_missing() -> str:
@@ -228,6 +244,7 @@ def compile_launch(launch: Launch, arch: int) -> Compiled:
     row.registers = int(usage["REG"]) if "REG" in usage else None
     row.spill_bytes = int(usage["STACK"]) if "STACK" in usage else None
     row.shared_bytes = int(compiled.metadata.shared)
+    row.warps = int(compiled.metadata.num_warps)
     return row
 
 
@@ -429,9 +446,9 @@ def markdown(results: dict[str, Any]) -> str:
         key = astuple(r)
         same[key] = same.get(key, 0) + 1
     table = md_table(["kernel", "constexprs and options", "launches", "registers", "spill stack B", "shared KiB",
-                      "compiled"],
+                      "programs / SM", "compiled"],
                      [[r.kernel, r.constants, n, fmt(r.registers), fmt(r.spill_bytes),
-                       "-" if r.shared_bytes is None else f"{r.shared_bytes / 1024:.1f}",
+                       "-" if r.shared_bytes is None else f"{r.shared_bytes / 1024:.1f}", fmt(r.programs_per_sm(arch)),
                        "yes" if r.error is None else f"no: {r.error[:200]}"]
                       for r, n in ((Compiled(*key), n) for key, n in same.items())])
     found = problems(rows, arch)
@@ -444,7 +461,8 @@ def markdown(results: dict[str, Any]) -> str:
             f"under Triton's interpreter (Triton {results['triton_record']}) and compiled by Triton "
             f"{results['triton_compile']}'s compiler and ptxas, no GPU. Registers are a thread's; the spill "
             f"stack is cuobjdump's STACK; shared memory is the block's, against "
-            f"{SHARED_LIMIT.get(arch, 0) // 1024} KiB.\n\n{verdict}\n\n{table}")
+            f"{SHARED_LIMIT.get(arch, 0) // 1024} KiB; programs / SM: how many are resident on a multiprocessor "
+            f"at once, as registers, warps and shared memory allow.\n\n{verdict}\n\n{table}")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

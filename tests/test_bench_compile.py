@@ -41,6 +41,17 @@ def test_stand_ins_keep_the_specialization():
     assert bc._stand_in(1 << 33) == 16 + (1 << 32) and bc._stand_in((1 << 33) + 3) == 17 + (1 << 32)
 
 
+def test_programs_per_sm_follow_registers_warps_and_shared_memory():
+    def programs(registers, warps, shared_kib, arch=90):
+        return bc.Compiled("k", "", registers, 0, shared_kib * 1024, None, warps).programs_per_sm(arch)
+
+    assert programs(172, 8, 16) == 1 and programs(128, 8, 16) == 2  # 5,632 / 4,096 registers a warp
+    assert programs(40, 4, 4) == 12 and programs(20, 4, 0) == 16  # registers, then warps (64 a multiprocessor)
+    assert programs(255, 8, 216.8) == 1 and programs(64, 4, 100) == 2  # shared memory (228 KiB, 1 KiB a block)
+    assert programs(64, 4, 100, arch=86) == 0  # more than sm_86's 100 KiB a multiprocessor
+    assert bc.Compiled("k", "", error="x").programs_per_sm(90) is None
+
+
 def test_launches_take_the_gpus_choices():
     dot = bc.Launch("megactx.kernels.sparse_mla:_sparse_mla_fwd",
                     {"q_ptr": {"tensor": "bfloat16", "aligned": True}, "DOT_F32": True})
