@@ -7,7 +7,8 @@
     python3 benchmarks/tune_topk.py --sweep max_registers stages          # only these knobs
 
 Cases (k = 2048 unless --k): decode 64 x 1M, the last 4096-row chunk of a causal 64K prefill, 1024 x 128K and
-256 x 1M, on i.i.d. normal logits (-inf beyond each row's key_len, as the indexer writes them). Each
+256 x 1M (all on the split plan); with --cases short, a causal 8K prefill (rows under two segments:
+the fused plan), on i.i.d. normal logits (-inf beyond each row's key_len, as the indexer writes them). Each
 line: ms (triton.testing.do_bench, L2 flushed between repetitions), GB/s = visible logits bytes
 (read once) / time, next to the device copy bandwidth measured in the same run, the speed-up over
 torch.topk, and whether the selected values equal torch.topk's. Per case it also times the default
@@ -77,6 +78,7 @@ class Case:
 
 
 CASES = {
+    "short": Case("short rows 4096 x 8K causal (the fused plan)", 4096, 1 << 13, True),
     "decode": Case("decode 64 x 1M", 64, 1 << 20, False),
     "prefill": Case("prefill 4096 x 64K causal", 4096, 1 << 16, True),
     "mid": Case("1024 x 128K", 1024, 1 << 17, False),
@@ -99,11 +101,12 @@ def sweep(plan: TopkPlan, knobs: list[str] | None = None) -> list[TopkConfig]:
         "tile_pivots": [1, 2, 4],
         "candidates": [4096, 8192],
         "max_registers": [128, 168],
+        "select_block": [512, 4096],
     }
     current = {"num_warps": plan.num_warps, "block": plan.block, "stages": plan.stages,
                "max_tile": plan.rows * plan.seg_groups,
                "sub_block": plan.sub_block, "groups": plan.groups, "tile_pivots": base.tile_pivots,
-               "candidates": plan.cap, "max_registers": base.max_registers}
+               "candidates": plan.cap, "max_registers": base.max_registers, "select_block": plan.select_block}
     for knob, values in variants.items():
         if knobs is None or knob in knobs:
             out += [dataclasses.replace(base, **{knob: v}) for v in values if v != current[knob]]
@@ -116,7 +119,8 @@ def sweep(plan: TopkPlan, knobs: list[str] | None = None) -> list[TopkConfig]:
 def describe(plan: TopkPlan) -> str:
     kind = "fused" if plan.split == 1 else f"split x{plan.split}"
     return (f"{kind:9s} warps={plan.num_warps:<2d} block={plan.block:<5d} stages={plan.stages} "
-            f"sub={plan.sub_block:<4d} tile={plan.rows * plan.seg_groups:<5d} groups={plan.groups:<5d} cand={plan.cap}")
+            f"sub={plan.sub_block:<4d} sel={plan.select_block:<4d} tile={plan.rows * plan.seg_groups:<5d} "
+            f"groups={plan.groups:<5d} cand={plan.cap}")
 
 
 def values_match(logits: torch.Tensor, got: torch.Tensor, rows: int = 64) -> bool:
@@ -226,7 +230,7 @@ def main() -> None:
     global K
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="time the default config only")
-    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
+    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=[c for c in CASES if c != "short"])
     parser.add_argument("--no-logits", action="store_true", help="skip the indexer logits + top-k comparison")
     parser.add_argument("--sweep", nargs="+", default=None, metavar="KNOB",
                         help="sweep only these TopkConfig knobs (e.g. max_registers programs_per_row)")

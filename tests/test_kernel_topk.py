@@ -227,6 +227,11 @@ def test_plan_of_many_long_rows_is_split():
     assert TopkPlan.make(4096, long_rows - 1, 2048, cfg, cpu).split == 1
     assert TopkPlan.make(4096, 4096, 2048, cfg, cpu).split == 1
     assert TopkPlan.make(4096, 1 << 20, 2048, TopkConfig(programs_per_row=1), cpu).split == 1  # asked for
+    # the select step's passes over a row take the fused plan's scan tile (fewer registers), the split plan's block
+    fused, split = TopkPlan.make(64, 8192, 128, cfg, cpu), TopkPlan.make(4, 1 << 18, 128, cfg, cpu)
+    assert (fused.split, fused.select_block) == (1, cfg.FUSED["sub_block"])
+    assert split.split > 1 and split.select_block == cfg.SPLIT["block"]
+    assert TopkPlan.make(64, 8192, 128, TopkConfig(select_block=512), cpu).select_block == 512
 
 
 def test_many_long_rows_default_plan():
@@ -291,6 +296,7 @@ def test_no_rows_or_no_k():
     (lambda x: topk_rows(x, 4, config=TopkConfig(candidates=2)), "candidates"),
     (lambda x: topk_rows(x, 4, config=TopkConfig(groups=3)), "groups"),
     (lambda x: topk_rows(x, 4, config=TopkConfig(block=100)), "block"),
+    (lambda x: topk_rows(x, 4, config=TopkConfig(select_block=100)), "select_block"),
     (lambda x: topk_rows(x, 4, config=TopkConfig(programs_per_row=3)), "programs_per_row"),
     (lambda x: topk_rows(x, 10_000), "k = 10000"),
     (lambda x: topk_rows(x, 4, block_table=torch.zeros(1, 1, dtype=torch.int32, device=x.device)), "together"),

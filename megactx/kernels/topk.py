@@ -370,7 +370,7 @@ def _topk_fused_kernel(logits_ptr, key_len_ptr, out_ptr, buf_key_ptr, buf_idx_pt
                        HAS_KEY_LEN: tl.constexpr, HAS_TABLE: tl.constexpr, ROWS: tl.constexpr, GROUPS: tl.constexpr,
                        BLOCK: tl.constexpr, SUB: tl.constexpr, CAP_PAD: tl.constexpr, PREFIX_BITS: tl.constexpr,
                        TILE_PIVOTS: tl.constexpr, ROW_PIVOTS: tl.constexpr, COUNT_BLOCK: tl.constexpr,
-                       STAGES: tl.constexpr):
+                       STAGES: tl.constexpr, SELECT_BLOCK: tl.constexpr):
     """One program per row: group maxima, threshold, collect, select."""
     t = tl.program_id(0).to(tl.int64)
     n = _row_len(key_len_ptr, t, L, HAS_KEY_LEN)
@@ -390,8 +390,8 @@ def _topk_fused_kernel(logits_ptr, key_len_ptr, out_ptr, buf_key_ptr, buf_idx_pt
     # barrier some reads saw stale memory (a few rows in a thousand went wrong on an H200).
     tl.debug_barrier()
     _select_row(row, n, buf_key, buf_idx, count, ties, tau, kmax, out_ptr + t * stride_o, k, cap,
-                _table_row(table_ptr, seq_ptr, t, stride_bt, HAS_TABLE), CAP_PAD, BLOCK, TILE_PIVOTS, ROW_PIVOTS,
-                COUNT_BLOCK, HAS_TABLE)
+                _table_row(table_ptr, seq_ptr, t, stride_bt, HAS_TABLE), CAP_PAD, SELECT_BLOCK, TILE_PIVOTS,
+                ROW_PIVOTS, COUNT_BLOCK, HAS_TABLE)
 
 
 # The split plan: per-row state [T, 4] int32 = (tau, kmax, candidates (keys > tau), keys == tau).
@@ -445,8 +445,9 @@ def _collect_kernel(logits_ptr, key_len_ptr, state_ptr, buf_key_ptr, buf_idx_ptr
 @triton.jit
 def _select_kernel(logits_ptr, key_len_ptr, state_ptr, buf_key_ptr, buf_idx_ptr, out_ptr, table_ptr, seq_ptr,
                    L, stride_t, stride_o, stride_bt, k, cap,
-                   HAS_KEY_LEN: tl.constexpr, HAS_TABLE: tl.constexpr, CAP_PAD: tl.constexpr, BLOCK: tl.constexpr,
-                   TILE_PIVOTS: tl.constexpr, ROW_PIVOTS: tl.constexpr, COUNT_BLOCK: tl.constexpr):
+                   HAS_KEY_LEN: tl.constexpr, HAS_TABLE: tl.constexpr, CAP_PAD: tl.constexpr,
+                   SELECT_BLOCK: tl.constexpr, TILE_PIVOTS: tl.constexpr, ROW_PIVOTS: tl.constexpr,
+                   COUNT_BLOCK: tl.constexpr):
     """Program t: step 3 for row t."""
     t = tl.program_id(0).to(tl.int64)
     n = _row_len(key_len_ptr, t, L, HAS_KEY_LEN)
@@ -454,7 +455,7 @@ def _select_kernel(logits_ptr, key_len_ptr, state_ptr, buf_key_ptr, buf_idx_ptr,
     count, ties, tau, kmax = tl.load(state + 2), tl.load(state + 3), tl.load(state), tl.load(state + 1)
     _select_row(logits_ptr + t * stride_t, n, buf_key_ptr + t * cap, buf_idx_ptr + t * cap, count, ties, tau, kmax,
                 out_ptr + t * stride_o, k, cap, _table_row(table_ptr, seq_ptr, t, stride_bt, HAS_TABLE), CAP_PAD,
-                BLOCK, TILE_PIVOTS, ROW_PIVOTS, COUNT_BLOCK, HAS_TABLE)
+                SELECT_BLOCK, TILE_PIVOTS, ROW_PIVOTS, COUNT_BLOCK, HAS_TABLE)
 
 
 # ------------------------------------------------------------------------------ host side
@@ -466,6 +467,10 @@ class TopkConfig:
     block: tile of a streaming pass that collects candidates (its light, counting part).
     sub_block: tile of the heavy part (scan and scattered stores) of the fused plan's collect pass
         (the split plan's atomic collect has none: it does not read this knob).
+    select_block: tile of the select step's reads of the row (rows of at most `candidates` keys, the
+        ties at the threshold, the overflow fallback): scans and scattered stores too. None = the
+        fused plan's sub_block (at its block, 4096, Triton 3.6 gave the fused kernel 172 registers,
+        one program a multiprocessor; 2048: 127, two), the split plan's block.
     max_tile: elements a step of the group-maxima pass loads (at least the program's groups).
         That loop is not pipelined (it did not help), so a step's size sets the bytes in flight.
     num_warps: warps a program.
@@ -496,17 +501,20 @@ class TopkConfig:
     programs_per_row: int | None = None
     tile_pivots: int | None = None
     row_pivots: int = 16
+    select_block: int | None = None
     max_registers: int | None = None
     INTERPRETER_TILE_PIVOTS = 64
 
     # The fused plan holds the select step's register tile in the same kernel as the streaming
     # passes: with <= 128 registers a thread two 8-warp programs share a multiprocessor (one's
-    # selection overlaps the other's loads) with 64 KB of loads in flight between them. Triton 3.9
-    # compiles it to 125-135 registers at k = 128 and 2048, but Triton 3.6 (the H200 image's) to
-    # 171-186 (`megactx bench compile`; 173-184 before the tie path): one program a multiprocessor.
-    # max_registers = 128 holds it there at 112 B of spill (not yet timed: tune_topk.py --sweep
-    # max_registers). The split plan's streaming kernels take ~56 registers and run four programs
-    # a multiprocessor. Timed on an H200 (benchmarks/tune_topk.py, k = 2048):
+    # selection overlaps the other's loads) with 64 KB of loads in flight between them. Under
+    # Triton 3.6 (the H200 image's; `megactx bench compile`) its select step's passes over the row
+    # at the collect's 4096-element block took it to 172-186 registers at k = 128, one program a
+    # multiprocessor; at sub_block's 2048 (select_block's default) 125-127. At k = 2048 the
+    # [4096] candidate and [8192] group-maxima tiles hold it at 171 (Triton 3.9: 128);
+    # max_registers = 128 would keep two programs at 72 B of spill (not yet timed:
+    # tune_topk.py --sweep max_registers select_block). The split plan's streaming kernels take ~56
+    # registers and run four programs a multiprocessor. Timed on an H200 (benchmarks/tune_topk.py, k = 2048):
     # fused sub_block 2048 beat 512 by 1.3x (4096 x 64K causal: 1.84 vs 2.40 ms; 1024 x 128K: 0.91
     # vs 1.19 ms); split with 4 warps beat 8 by 1.3x (64 x 1M: 0.33 vs 0.43 ms; 256 x 1M: 1.16 vs
     # 1.59 ms) — 2.6x faster than torch.topk. With the split plan's atomic collect (one read, no
@@ -553,6 +561,7 @@ class TopkPlan:
     rows: int  # chunks of seg_groups elements a step of the group-maxima pass loads
     block: int
     sub_block: int
+    select_block: int  # elements a step of the select step's passes over the row
     count_block: int  # elements a step of the fallback's counts
     num_warps: int
     stages: int  # collect tiles in flight a program
@@ -584,14 +593,16 @@ class TopkPlan:
         knobs = {**(cfg.FUSED if split == 1 else cfg.SPLIT),
                  **{name: getattr(cfg, name) for name in ("block", "sub_block", "max_tile", "num_warps", "stages")
                     if getattr(cfg, name) is not None}}
-        for name in ("block", "sub_block", "max_tile", "tile_pivots", "row_pivots"):
+        for name in ("block", "sub_block", "max_tile", "tile_pivots", "row_pivots", "select_block"):
             if knobs.get(name, getattr(cfg, name)) is not None:
                 _pow2(name, knobs.get(name, getattr(cfg, name)))
         block = knobs["block"]
         sub_block = min(knobs.get("sub_block", block), block)
+        select_block = cfg.select_block or (sub_block if split == 1 else block)
         seg_groups = groups // split
         return TopkPlan(cap=cap, cap_pad=triton.next_power_of_2(cap), groups=groups, split=split, seg_groups=seg_groups,
                         rows=max(1, knobs["max_tile"] // seg_groups), block=block, sub_block=sub_block,
+                        select_block=select_block,
                         count_block=max(cfg.MIN_COUNT_BLOCK, block // cfg.row_pivots), num_warps=knobs["num_warps"],
                         stages=knobs["stages"])
 
@@ -651,13 +662,13 @@ def topk_rows(logits: torch.Tensor, k: int, key_len: torch.Tensor | None = None,
     common = dict(HAS_KEY_LEN=has_key_len, num_warps=plan.num_warps,
                   **({"maxnreg": cfg.max_registers} if cfg.max_registers is not None else {}))
     tile_pivots = cfg.tile_pivots or (cfg.INTERPRETER_TILE_PIVOTS if INTERPRET else 1)
-    select = dict(CAP_PAD=plan.cap_pad, BLOCK=plan.block, TILE_PIVOTS=tile_pivots, ROW_PIVOTS=cfg.row_pivots,
-                  COUNT_BLOCK=plan.count_block)
+    select = dict(CAP_PAD=plan.cap_pad, SELECT_BLOCK=plan.select_block, TILE_PIVOTS=tile_pivots,
+                  ROW_PIVOTS=cfg.row_pivots, COUNT_BLOCK=plan.count_block)
 
     if plan.split == 1:
         _topk_fused_kernel[(T,)](
             logits, key_len, out, buf_key, buf_idx, table, seq, L, logits.stride(0), out.stride(0), stride_bt, k,
-            plan.cap, HAS_TABLE=has_table, ROWS=plan.rows, GROUPS=plan.groups, SUB=plan.sub_block,
+            plan.cap, HAS_TABLE=has_table, ROWS=plan.rows, GROUPS=plan.groups, BLOCK=plan.block, SUB=plan.sub_block,
             PREFIX_BITS=cfg.PREFIX_BITS, STAGES=plan.stages, **select, **common)
         return out
 
