@@ -485,9 +485,14 @@ def run(args: argparse.Namespace) -> int:
 
     progress = Progress()
     if args.launches is not None:
-        saved = json.loads(args.launches.read_text())
-        model, kv, triton_record = saved["model"], saved["kv_cache_dtypes"], saved["triton_record"]
-        launches = [Launch(**x) for x in saved["launches"]]
+        try:
+            saved = json.loads(args.launches.read_text())
+            model, kv, triton_record = saved["model"], saved["kv_cache_dtypes"], saved["triton_record"]
+            launches = [Launch(**x) for x in saved["launches"]]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"megactx bench compile: --launches {args.launches}: not the JSON of an earlier run "
+                  f"({type(e).__name__}: {e})", file=sys.stderr)
+            return 2
     else:
         model = args.model or (str(shipped_model()) if shipped_model() else None)
         if model is None:
@@ -498,10 +503,15 @@ def run(args: argparse.Namespace) -> int:
         except (ConfigError, OSError) as e:
             print(f"megactx bench compile: {e}", file=sys.stderr)
             return 2
-        progress.log(f"recording the launches of {model} under the interpreter")
-        launches, triton_record = record_all(model, args.prompt_tokens, args.gamma)
-    progress.log(f"{len(launches)} distinct launches; compiling for sm_{args.arch} with {args.python}")
-    rows, triton_compile = compile_all(launches, args.arch, args.python)
+    try:
+        if args.launches is None:
+            progress.log(f"recording the launches of {model} under the interpreter")
+            launches, triton_record = record_all(model, args.prompt_tokens, args.gamma)
+        progress.log(f"{len(launches)} distinct launches; compiling for sm_{args.arch} with {args.python}")
+        rows, triton_compile = compile_all(launches, args.arch, args.python)
+    except (OSError, RuntimeError) as e:  # a step's process failed (its output says why) or --python is wrong
+        print(f"megactx bench compile: {e}", file=sys.stderr)
+        return 2
     results = {"model": Path(model).name if Path(model).exists() else model, "arch": args.arch,
                "date": time.strftime("%Y-%m-%d"), "kv_cache_dtypes": kv, "triton_record": triton_record,
                "triton_compile": triton_compile, "launches": [asdict(x) for x in launches],

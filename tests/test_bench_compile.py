@@ -104,3 +104,19 @@ def test_every_engine_launch_compiles_for_sm90(tmp_path):
             "_one_row_kernel"} <= kernels
     fp8 = [x for x in launches if x.kernel.endswith(":_write_kv_kernel") and x.args["FP8"]]
     assert fp8, "no launch wrote the FP8 KV cache"
+
+
+def test_bad_inputs_are_refused_with_a_message(tmp_path, capsys):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    bc.add_arguments(parser)
+    assert bc.run(parser.parse_args(["--launches", str(tmp_path / "none.json")])) == 2
+    assert "not the JSON of an earlier run" in capsys.readouterr().err
+    saved = tmp_path / "saved.json"
+    saved.write_text('{"model": "m", "kv_cache_dtypes": ["bf16"], "triton_record": "3.9.0", "launches": []}')
+    args = ["--launches", str(saved), "--python", str(tmp_path / "no-python"), "--out", str(tmp_path)]
+    assert bc.run(parser.parse_args(args)) == 2
+    assert "no-python" in capsys.readouterr().err
+    assert bc.run(parser.parse_args(["--model", str(tmp_path / "no-model")])) == 2
+    assert "neither a checkpoint directory" in capsys.readouterr().err
