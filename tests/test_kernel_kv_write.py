@@ -258,3 +258,14 @@ def test_write_kv_under_cuda_graph_capture_drops_out_of_range_slots():
     keep = (slots < num_blocks * ref.BLOCK_SIZE).cpu()
     ref.write_kv(c.cpu()[keep], k_pe.cpu()[keep], slots.cpu()[keep], kv_twin, index_k.cpu()[keep], idx_twin)
     assert torch.equal(kv.cpu(), kv_twin) and torch.equal(idx.cpu(), idx_twin)
+
+
+def test_host_launch_arithmetic_equals_tritons():
+    import triton
+
+    from megactx.kernels.common import cdiv, next_power_of_2
+
+    for n in range(-3, 1100):
+        assert next_power_of_2(n) == (triton.next_power_of_2(n) if n >= 0 else 0)
+        for d in (1, 3, 16, 64):
+            assert cdiv(n, d) == triton.cdiv(n, d)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megactx.kernels.common import check_device, quantize_e4m3, to_bf16
+from megactx.kernels.common import cdiv, check_device, quantize_e4m3, to_bf16
 from megactx.kernels.rope import rotate_pairs
 from megactx.model.quant import FP8
 
@@ -111,7 +111,7 @@ def index_queries_fp8(q: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: 
     q8 = torch.empty(T, HI, DI, dtype=torch.uint8, device=q.device)  # e4m3 bytes, written on the bits
     w_out = torch.empty(T, HI, dtype=torch.float32, device=q.device)
     if T:
-        _index_queries_kernel[(T, triton.cdiv(HI, BLOCK_H))](
+        _index_queries_kernel[(T, cdiv(HI, BLOCK_H))](
             q, q.stride(0), q.stride(1), w, w.stride(0), cos, sin, cos.stride(1), rotation, q8, w_out,
             HI, w_scale_heads, w_scale_dim,
             DI=DI, ROPE=rope_dims, INTERLEAVE=interleave, BLOCK_H=BLOCK_H, ROUND_BF16=q.dtype == torch.bfloat16,

@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megactx.kernels.common import INTERPRET, check_device
+from megactx.kernels.common import INTERPRET, cdiv, check_device, next_power_of_2
 from megactx.kernels.reference import BLOCK_SIZE, chunked_topk
 from megactx.kernels.sparse_mla import num_sms
 from megactx.kernels.topk import topk_rows
@@ -118,7 +118,7 @@ def launch_config(T: int, HI: int, DI: int, max_keys: int, dtype: torch.dtype, s
     columns = FP8_COLUMNS if fp8 else EXACT_COLUMNS.get(dtype, 64)
     if block_m is None:
         lone = sequences is not None and T <= sequences
-        block_m = max(1, columns // (_padded_heads(HI, 1) if lone else triton.next_power_of_2(HI)))
+        block_m = max(1, columns // (_padded_heads(HI, 1) if lone else next_power_of_2(HI)))
     if block_m < 1 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two, got {block_m}")
     num_dots = 1 if num_dots is None else num_dots
@@ -142,15 +142,15 @@ def launch_config(T: int, HI: int, DI: int, max_keys: int, dtype: torch.dtype, s
         max_registers = FP8_MAX_REGISTERS
     if max_registers is not None and not MIN_REGISTERS <= max_registers <= MAX_REGISTERS:
         raise ValueError(f"max_registers must be in [{MIN_REGISTERS}, {MAX_REGISTERS}], got {max_registers}")
-    tiles = triton.cdiv(max(max_keys, 1), block_n)
+    tiles = cdiv(max(max_keys, 1), block_n)
     if num_splits is None:
-        num_splits = choose_num_splits(triton.cdiv(max(T, 1), block_m), tiles, sms)
+        num_splits = choose_num_splits(cdiv(max(T, 1), block_m), tiles, sms)
     if num_splits < 1:
         raise ValueError(f"num_splits must be at least 1, got {num_splits}")
-    tiles_per_split = triton.cdiv(tiles, min(num_splits, tiles))
+    tiles_per_split = cdiv(tiles, min(num_splits, tiles))
     # Splits that would start past max_keys are dropped: the count is the one actually launched.
     return LogitsLaunch(block_m, num_dots, block_n, tma, num_warps, num_stages, lone_stages, max_registers,
-                        triton.cdiv(tiles, tiles_per_split), tiles_per_split * block_n)
+                        cdiv(tiles, tiles_per_split), tiles_per_split * block_n)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -165,7 +165,7 @@ def choose_num_splits(row_blocks: int, tiles: int, sms: int) -> int:
     best_cost, best = None, 1
     for waves in range(1, MAX_WAVES + 1):
         s = max(1, min(tiles, waves * slots // row_blocks))
-        cost = triton.cdiv(row_blocks * s, slots) * (triton.cdiv(tiles, s) + PROGRAM_OVERHEAD_TILES)
+        cost = cdiv(row_blocks * s, slots) * (cdiv(tiles, s) + PROGRAM_OVERHEAD_TILES)
         if best_cost is None or cost < best_cost:
             best_cost, best = cost, s
     return best
@@ -193,7 +193,7 @@ def _padded_heads(HI: int, rows: int) -> int:
     """Heads padded to a power of two, and far enough that a dot of `rows` query rows has N = rows x
     heads >= 16 (a lone row: 16 heads). megactx-tiny's 4 heads then fill a 128-column FP8 dot with
     32 rows, not 8 rows of 16 mostly empty heads: each page of keys read serves 4x the rows."""
-    return max(triton.next_power_of_2(HI), triton.cdiv(16, rows))
+    return max(next_power_of_2(HI), cdiv(16, rows))
 
 
 @triton.jit
@@ -422,7 +422,7 @@ def _launch(out: torch.Tensor, q: torch.Tensor, w: torch.Tensor, keys: torch.Ten
     q = q if q.stride(-1) == 1 else q.contiguous()
     w = w.float().contiguous()
     seq_idx, key_len = seq_idx.contiguous(), key_len.contiguous()
-    grid = (triton.cdiv(T, launch.block_m), launch.num_splits)
+    grid = (cdiv(T, launch.block_m), launch.num_splits)
     _indexer_logits_kernel[grid](
         q, w, keys, k_desc, scales, seq_keys, seq_idx, key_len, out,
         T, out.shape[1], key_bound, launch.keys_per_split,

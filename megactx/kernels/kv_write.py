@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megactx.kernels.common import check_device, quantize_e4m3, to_bf16
+from megactx.kernels.common import check_device, next_power_of_2, quantize_e4m3, to_bf16
 from megactx.kernels.reference import BLOCK_SIZE, SCALE_GROUP, mla_fp8_bytes
 
 _FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
@@ -175,8 +175,8 @@ def write_kv(c: torch.Tensor, k_pe: torch.Tensor, slots: torch.Tensor, kv_cache:
         ik, ik.stride(0), ik.stride(1),
         slots, kv_cache, index_cache if index_cache is not None else kv_cache, num_slots,
         R=r, DR=dr, DI=max(DI, 1),
-        BLOCK_R=triton.next_power_of_2(r), BLOCK_DR=triton.next_power_of_2(dr),
-        BLOCK_DI=triton.next_power_of_2(max(DI, 1)),
+        BLOCK_R=next_power_of_2(r), BLOCK_DR=next_power_of_2(dr),
+        BLOCK_DI=next_power_of_2(max(DI, 1)),
         FP8=fp8, HAS_INDEX=index_k is not None,
         INDEX_FP8=index_cache is not None and index_cache.dtype == torch.uint8,
         KV_BF16=kv_cache.dtype == torch.bfloat16,

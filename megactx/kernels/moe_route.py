@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megactx.kernels.common import check_device
+from megactx.kernels.common import cdiv, check_device, next_power_of_2
 
 MAX_EXPERTS = 1024  # a token's experts sit in one program's registers
 
@@ -83,11 +83,11 @@ def moe_route(logits: torch.Tensor, bias: torch.Tensor, k: int, scaling: float, 
     weights = torch.empty(N, k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(N, k, dtype=torch.int64, device=logits.device)
     if N:
-        block_e = triton.next_power_of_2(E)
+        block_e = next_power_of_2(E)
         block_n = max(1, min(16, 4096 // block_e))  # a program's scores stay ~4K values
-        _route_kernel[(triton.cdiv(N, block_n),)](logits, logits.stride(0), bias, weights, ids,
+        _route_kernel[(cdiv(N, block_n),)](logits, logits.stride(0), bias, weights, ids,
                                                   weights if dense is None else dense, width, N, E, float(scaling),
                                                   K=k, NORM=norm_topk_prob, DENSE=dense is not None,
                                                   SHARED=dense is not None and shared_column,
-                                                  BLOCK_N=block_n, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(k))
+                                                  BLOCK_N=block_n, BLOCK_E=block_e, BLOCK_K=next_power_of_2(k))
     return weights, ids

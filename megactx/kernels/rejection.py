@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megactx.kernels.common import check_device
+from megactx.kernels.common import cdiv, check_device, next_power_of_2
 
 BLOCK_V = 1024  # vocabulary entries a step of a slice
 TINY = tl.constexpr(1.1754943508222875e-38)  # torch.finfo(torch.float32).tiny
@@ -198,27 +198,27 @@ def rejection_rows(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft
     q = draft_probs if draft_probs is not None else target_probs  # unread without HAS_Q
     nd = num_drafts if num_drafts is not None else num_accepted  # unread without HAS_ND
     # slices of whole BLOCK_V steps, as many as fill the GPU with the batch's rows
-    steps = triton.cdiv(vocab, BLOCK_V)
-    slices = max(1, min(triton.cdiv(steps, MIN_SLICE_STEPS), triton.cdiv(PROGRAMS, bsz)))
-    slice_len = triton.cdiv(steps, slices) * BLOCK_V
-    slices = triton.cdiv(vocab, slice_len)
+    steps = cdiv(vocab, BLOCK_V)
+    slices = max(1, min(cdiv(steps, MIN_SLICE_STEPS), cdiv(PROGRAMS, bsz)))
+    slice_len = cdiv(steps, slices) * BLOCK_V
+    slices = cdiv(vocab, slice_len)
     if slices == 1:
         leads = at = tokens  # unread: the race's program writes the row itself
     else:
         leads = torch.empty(bsz, slices, 3, dtype=torch.float32, device=device)
         at = torch.empty(bsz, slices, 2, dtype=torch.int32, device=device)
-    block_k = triton.next_power_of_2(width + 1)
+    block_k = next_power_of_2(width + 1)
     _race_kernel[(bsz, slices)](
         target_probs, q, draft_tokens, nd, uniforms, noise, leads, at, num_accepted, tokens,
         width, vocab, slice_len, pad,
         target_probs.stride(0), target_probs.stride(1), q.stride(0), q.stride(1), draft_tokens.stride(0),
         uniforms.stride(0), noise.stride(0), tokens.stride(0),
         HAS_Q=draft_probs is not None, HAS_ND=num_drafts is not None,
-        BLOCK_V=min(BLOCK_V, triton.next_power_of_2(vocab)), BLOCK_K=block_k, ONE_SLICE=slices == 1,
+        BLOCK_V=min(BLOCK_V, next_power_of_2(vocab)), BLOCK_K=block_k, ONE_SLICE=slices == 1,
     )
     if slices == 1:
         return tokens, num_accepted
     _emit_kernel[(bsz,)](draft_tokens, nd, leads, at, num_accepted, tokens, width, vocab, pad, slices,
                          draft_tokens.stride(0), tokens.stride(0), HAS_ND=num_drafts is not None, BLOCK_K=block_k,
-                         BLOCK_S=triton.next_power_of_2(slices))
+                         BLOCK_S=next_power_of_2(slices))
     return tokens, num_accepted

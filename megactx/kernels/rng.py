@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megactx.kernels.common import check_device
+from megactx.kernels.common import cdiv, check_device
 from megactx.kernels.reference import check_streams
 
 BLOCK = 1024
@@ -74,7 +74,7 @@ def one_row_random(key: int, offset: int, width: int, exponential: bool, out: to
         raise ValueError(f"out must be a contiguous fp32 tensor of {width} values, got {out.dtype} {tuple(out.shape)}")
     check_device(out)
     if width:
-        _one_row_kernel[(triton.cdiv(width, BLOCK),)](key, offset, out, width, EXPONENTIAL=exponential, BLOCK=BLOCK)
+        _one_row_kernel[(cdiv(width, BLOCK),)](key, offset, out, width, EXPONENTIAL=exponential, BLOCK=BLOCK)
     return out
 
 
@@ -89,6 +89,6 @@ def row_random(keys: torch.Tensor, offsets: torch.Tensor, width: int, exponentia
     if out is None:
         out = torch.empty(keys.shape[0], width, dtype=torch.float32, device=keys.device)
     if out.numel():
-        _row_random_kernel[(keys.shape[0], triton.cdiv(width, BLOCK))](
+        _row_random_kernel[(keys.shape[0], cdiv(width, BLOCK))](
             keys, offsets, keys.stride(0), offsets.stride(0), out, width, EXPONENTIAL=exponential, BLOCK=BLOCK)
     return out

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megactx.kernels.common import check_device, to_bf16
+from megactx.kernels.common import cdiv, check_device, next_power_of_2, to_bf16
 
 
 @triton.jit
@@ -83,11 +83,11 @@ def rope_first(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     B, S, H, _ = x4.shape
     out = torch.empty(x4.shape, dtype=x.dtype, device=x.device)
     if out.numel():
-        block_h = min(triton.next_power_of_2(H), 16)
-        _rope_kernel[(B * S, triton.cdiv(H, block_h))](
+        block_h = min(next_power_of_2(H), 16)
+        _rope_kernel[(B * S, cdiv(H, block_h))](
             x4, x4.stride(0), x4.stride(1), x4.stride(2),
             cos, sin, cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1), out, S, H,
             D=D, ROPE=rope_dims, INTERLEAVE=interleave, BLOCK_H=block_h,
-            BLOCK_HALF=triton.next_power_of_2(rope_dims // 2),
-            BLOCK_REST=triton.next_power_of_2(max(D - rope_dims, 1)), OUT_BF16=x.dtype == torch.bfloat16)
+            BLOCK_HALF=next_power_of_2(rope_dims // 2),
+            BLOCK_REST=next_power_of_2(max(D - rope_dims, 1)), OUT_BF16=x.dtype == torch.bfloat16)
     return out.view(x.shape)

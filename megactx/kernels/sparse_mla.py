@@ -69,7 +69,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from megactx.kernels.common import INTERPRET, check_device
+from megactx.kernels.common import INTERPRET, cdiv, check_device, next_power_of_2
 from megactx.kernels.reference import BLOCK_SIZE, SCALE_GROUP
 
 _LOG2E = 1.4426950408889634
@@ -778,8 +778,8 @@ def choose_num_splits(num_programs: int, num_tiles: int, sms: int) -> int:
     token gets one tile a split (up to MAX_SPLITS)."""
     best, best_cost = 1, None
     for s in range(1, min(num_tiles, MAX_SPLITS) + 1):
-        per_program = triton.cdiv(num_tiles, s) + PROGRAM_OVERHEAD_TILES + (SPLIT_OVERHEAD_TILES if s > 1 else 0)
-        cost = triton.cdiv(num_programs * s, sms) * per_program
+        per_program = cdiv(num_tiles, s) + PROGRAM_OVERHEAD_TILES + (SPLIT_OVERHEAD_TILES if s > 1 else 0)
+        cost = cdiv(num_programs * s, sms) * per_program
         if best_cost is None or cost < best_cost:
             best, best_cost = s, cost
     return best
@@ -877,9 +877,9 @@ def _launch_config(num_heads: int, topk: int, block_r: int, fp8: bool, kernel: s
     (63.5 us) against 251, FP8 233 against 203; verify T = 256 bf16 412 / 390 against 345 / 335, FP8
     287 / 285 against 248 / 251. So it is the Hopper default (HOPPER_DEFAULT_KERNEL, WS_FP8)."""
     if kernel in HOPPER_KERNELS:
-        return LaunchConfig(SM90_BLOCK_H, min(64, max(16, triton.next_power_of_2(topk))), SM90_WARPS, 2, kernel)
-    block_h = min(64, max(16, triton.next_power_of_2(num_heads)))
-    block_n = min(64, max(16, triton.next_power_of_2(topk)))
+        return LaunchConfig(SM90_BLOCK_H, min(64, max(16, next_power_of_2(topk))), SM90_WARPS, 2, kernel)
+    block_h = min(64, max(16, next_power_of_2(num_heads)))
+    block_n = min(64, max(16, next_power_of_2(topk)))
     # acc [BLOCK_H, r] fp32 stays in registers: 8 warps keep it at 128 registers a thread for GLM.
     num_warps = 8 if block_h * block_r >= 64 * 256 else 4
     return LaunchConfig(block_h, block_n, num_warps, num_stages=3)
@@ -978,8 +978,8 @@ def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor
     if topk_slots.stride(-1) != 1:
         topk_slots = topk_slots.contiguous()
 
-    block_r = max(16, triton.next_power_of_2(r))
-    block_dr = max(16, triton.next_power_of_2(dr))
+    block_r = max(16, next_power_of_2(r))
+    block_dr = max(16, next_power_of_2(dr))
     if kernel is None:
         kernel = default_kernel(q, kv_cache, r)
     overrides = {"block_h": block_h, "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages}
@@ -991,13 +991,13 @@ def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor
         if (cfg.block_h, cfg.num_warps) != (SM90_BLOCK_H, SM90_WARPS):
             raise ValueError(f"kernel={kernel!r} runs blocks of {SM90_BLOCK_H} heads on {SM90_WARPS} math warps "
                              f"(two warpgroups), got block_h = {cfg.block_h}, num_warps = {cfg.num_warps}")
-    head_blocks = triton.cdiv(H, cfg.block_h)
-    num_tiles = triton.cdiv(K, cfg.block_n)
+    head_blocks = cdiv(H, cfg.block_h)
+    num_tiles = cdiv(K, cfg.block_n)
     if num_splits is None:
         num_splits = choose_num_splits(T * head_blocks, num_tiles, num_sms(q.device))
     # Whole tiles a split; then drop splits that would start past K (e.g. K = 5 asked for 4 splits).
-    split_len = triton.cdiv(num_tiles, min(num_splits, num_tiles)) * cfg.block_n
-    splits = triton.cdiv(K, split_len)
+    split_len = cdiv(num_tiles, min(num_splits, num_tiles)) * cfg.block_n
+    splits = cdiv(K, split_len)
 
     if fp8:
         # Views of the same bytes for the fp32 scales and bf16 rope values; element offsets are byte offsets / 4, / 2.
@@ -1031,10 +1031,10 @@ def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     if splits > 1:
-        _combine_splits[(T, triton.cdiv(H, COMBINE_HEADS))](
+        _combine_splits[(T, cdiv(H, COMBINE_HEADS))](
             dst, dst_lse, out, lse, H, splits,
             dst.stride(0), dst.stride(1), dst.stride(2), dst_lse.stride(0), dst_lse.stride(1),
             out.stride(0), out.stride(1),
-            R=r, BLOCK_R=block_r, BLOCK_H=COMBINE_HEADS, BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
+            R=r, BLOCK_R=block_r, BLOCK_H=COMBINE_HEADS, BLOCK_S=next_power_of_2(splits), num_warps=4,
         )
     return out.to(q.dtype), lse

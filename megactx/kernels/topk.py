@@ -51,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megactx.kernels.common import INTERPRET, check_device
+from megactx.kernels.common import INTERPRET, cdiv, check_device, next_power_of_2
 from megactx.kernels.reference import BLOCK_SIZE
 
 # Key of -inf: masked-off and invisible elements load as -inf and are never selected.
@@ -571,19 +571,19 @@ class TopkPlan:
         if k > cfg.MAX_K:
             raise ValueError(f"k = {k} is above {cfg.MAX_K}, the most this kernel selects (its select step holds "
                              "2 k candidates in registers); use torch.topk (megactx.kernels.reference.topk_rows)")
-        cap = cfg.candidates if cfg.candidates is not None else max(512, triton.next_power_of_2(2 * k))
+        cap = cfg.candidates if cfg.candidates is not None else max(512, next_power_of_2(2 * k))
         if cap < k:
             raise ValueError(f"candidates must be at least k = {k}, got {cap}")
-        groups = cfg.groups if cfg.groups is not None else min(max(1024, triton.next_power_of_2(4 * k)), cfg.MAX_GROUPS)
+        groups = cfg.groups if cfg.groups is not None else min(max(1024, next_power_of_2(4 * k)), cfg.MAX_GROUPS)
         if _pow2("groups", groups) < k or groups > cfg.MAX_GROUPS:
             raise ValueError(f"groups must be in [k, {cfg.MAX_GROUPS}] = [{k}, {cfg.MAX_GROUPS}], got {groups}")
         if cfg.programs_per_row is not None:
             split = _pow2("programs_per_row", cfg.programs_per_row)
         elif device.type == "cuda":
             sms = torch.cuda.get_device_properties(device).multi_processor_count
-            split = triton.next_power_of_2(triton.cdiv(cfg.PROGRAMS_PER_SM * sms, T))
+            split = next_power_of_2(cdiv(cfg.PROGRAMS_PER_SM * sms, T))
         else:
-            split = triton.next_power_of_2(triton.cdiv(cfg.PROGRAMS_PER_SM * cfg.CPU_SMS, T))
+            split = next_power_of_2(cdiv(cfg.PROGRAMS_PER_SM * cfg.CPU_SMS, T))
         if cfg.programs_per_row is None:
             most = max(1, L // cfg.MIN_SEGMENT)
             split = min(max(split, cfg.MIN_SPLIT), 1 << (most.bit_length() - 1))
@@ -600,7 +600,7 @@ class TopkPlan:
         sub_block = min(knobs.get("sub_block", block), block)
         select_block = cfg.select_block or (sub_block if split == 1 else block)
         seg_groups = groups // split
-        return TopkPlan(cap=cap, cap_pad=triton.next_power_of_2(cap), groups=groups, split=split, seg_groups=seg_groups,
+        return TopkPlan(cap=cap, cap_pad=next_power_of_2(cap), groups=groups, split=split, seg_groups=seg_groups,
                         rows=max(1, knobs["max_tile"] // seg_groups), block=block, sub_block=sub_block,
                         select_block=select_block,
                         count_block=max(cfg.MIN_COUNT_BLOCK, block // cfg.row_pivots), num_warps=knobs["num_warps"],
