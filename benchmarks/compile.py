@@ -55,6 +55,7 @@ SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024, 10
 SM_SHARED = {80: 164 * 1024, 86: 100 * 1024, 89: 100 * 1024, 90: 228 * 1024, 100: 228 * 1024, 120: 100 * 1024}
 SM_WARPS = {80: 64, 86: 48, 89: 48, 90: 64, 100: 64, 120: 48}
 OPTIONS = ("num_warps", "num_stages", "maxnreg")  # launch options a kernel call may pass
+H200_SMS = 132  # the direct calls' launch plans are an H200's
 
 
 # ------------------------------------------------------------------------------------- recording
@@ -148,8 +149,9 @@ def as_on_gpu(launch: Launch) -> Launch:
     (the interpreter's bf16 tl.dot is wrong, so it upcasts; a GPU does only for fp32 inputs) and
     the top-k's TILE_PIVOTS (1 on a GPU, more where the interpreter pays per operation). The
     interpreter's fp32 sparse MLA output (a GPU writes q's dtype) is kept: one store's type. Sparse
-    MLA on Hopper at kv_lora_rank 512 (GLM, DeepSeek) runs the Gluon kernels instead (`sparse_mla.default_kernel`),
-    which the interpreter cannot run: the Triton kernel's launches are then its fallback's."""
+    MLA on Hopper at kv_lora_rank 512 (GLM, DeepSeek) runs the Gluon kernels instead
+    (`sparse_mla.default_kernel`), which the interpreter cannot run: the Triton kernel's launches
+    are then its fallback's."""
     args = dict(launch.args)
     if "DOT_F32" in args:
         args["DOT_F32"] = any(isinstance(args.get(name), dict) and args[name].get("tensor") == "float32"
@@ -290,10 +292,11 @@ def run_engine(model, kv_cache_dtype: str, prompt_tokens: int, gamma: int, log) 
 
 def call_long_rows(cfg, gamma: int, vocab: int) -> None:
     """The launches that a short CPU run never reaches, or that the engine makes only on a GPU, from
-    direct calls at GLM-scale sizes (recorded, not run): top-k's split plan over long rows and its
-    fused plan over a prefill chunk, decode-shaped indexer logits over a long context, sparse MLA
-    decode with split-K (bf16 and FP8 KV) and at batch 64, the MoE router, the speculative
-    sampler's rejection rule and its random streams over `vocab` tokens."""
+    direct calls at GLM-scale sizes (recorded, not run; `record` plans them for an H200's 132 SMs):
+    top-k's split plan over long rows and its fused plan over a prefill chunk, decode-shaped indexer
+    logits over a long context, sparse MLA decode with split-K (bf16 and FP8 KV) and at batch 64,
+    the MoE router, the speculative sampler's rejection rule and its random streams over `vocab`
+    tokens."""
     import torch
 
     from megactx.kernels import moe_route, rejection, rng, sparse_mla, topk
@@ -341,6 +344,22 @@ def call_long_rows(cfg, gamma: int, vocab: int) -> None:
         rng.one_row_random(1, 0, vocab, exponential, torch.empty(vocab))
 
 
+@contextlib.contextmanager
+def multiprocessors(sms: int) -> Iterator[None]:
+    """Launch plans inside the block count `sms` multiprocessors, as on that GPU (the interpreter's
+    plans assume a few: the split counts of the top-k, the indexer and sparse MLA, and with them
+    some constexprs, follow the count)."""
+    from megactx.kernels import sparse_mla
+    from megactx.kernels.topk import TopkConfig
+
+    saved = sparse_mla.INTERPRET_NUM_SMS, TopkConfig.CPU_SMS
+    sparse_mla.INTERPRET_NUM_SMS = TopkConfig.CPU_SMS = sms
+    try:
+        yield
+    finally:
+        sparse_mla.INTERPRET_NUM_SMS, TopkConfig.CPU_SMS = saved
+
+
 def record(model_name: str, prompt_tokens: int, gamma: int, log) -> list[Launch]:
     """Run the workload on the CPU under the interpreter; the distinct launches, as on a GPU."""
     import torch
@@ -362,7 +381,8 @@ def record(model_name: str, prompt_tokens: int, gamma: int, log) -> list[Launch]
         for kv_cache_dtype in kv_cache_dtypes(model.cfg):
             run_engine(model, kv_cache_dtype, prompt_tokens, gamma, log)
         recorder.execute = False
-        call_long_rows(model.cfg, gamma, vocab)
+        with multiprocessors(H200_SMS):
+            call_long_rows(model.cfg, gamma, vocab)
     launches = {}
     for launch in map(as_on_gpu, recorder.launches.values()):
         launches.setdefault(launch.key(), launch)
