@@ -127,8 +127,9 @@ def recording() -> Iterator[Recorder]:
 
     def recording_run(self, *args, grid, warmup, **kwargs):
         fn = self.fn
-        params = inspect.signature(fn).parameters
-        bound = inspect.signature(fn).bind_partial(*args, **{k: v for k, v in kwargs.items() if k in params})
+        signature = inspect.signature(fn)
+        params = signature.parameters
+        bound = signature.bind_partial(*args, **{k: v for k, v in kwargs.items() if k in params})
         options = {k: int(kwargs[k]) for k in OPTIONS if kwargs.get(k) is not None}
         launch = Launch(f"{fn.__module__}:{fn.__name__}",
                         {name: _encode(value, _is_constexpr(params[name])) for name, value in bound.arguments.items()},
@@ -159,7 +160,7 @@ def as_on_gpu(launch: Launch) -> Launch:
     if launch.kernel.startswith("megactx.kernels.topk:") and "TILE_PIVOTS" in args:
         from megactx.kernels.topk import TopkConfig
 
-        args["TILE_PIVOTS"] = TopkConfig().tile_pivots or 1
+        args["TILE_PIVOTS"] = TopkConfig().pivots_of_tile(interpret=False)
     return Launch(launch.kernel, args, launch.options)
 
 
@@ -369,12 +370,13 @@ def record(model_name: str, prompt_tokens: int, gamma: int, log) -> list[Launch]
     from megactx.model import build_model
 
     path = Path(model_name)
-    vocab = ModelConfig.from_pretrained(model_name).vocab_size
+    cfg = ModelConfig.from_pretrained(model_name)
+    vocab = cfg.vocab_size
     if path.is_dir() and any(path.glob("*.safetensors")):
         model = load_model(path, dtype=torch.bfloat16, backend="triton")
         log(f"loaded {path}")
     else:
-        cfg = shrunk(ModelConfig.from_pretrained(model_name))
+        cfg = shrunk(cfg)
         model = build_model(cfg, dtype=torch.bfloat16)
         log(f"built a random {model_name} geometry of {cfg.num_hidden_layers} layers (shrunk widths: see shrunk())")
     with recording() as recorder:

@@ -505,6 +505,11 @@ class TopkConfig:
     max_registers: int | None = None
     INTERPRETER_TILE_PIVOTS = 64
 
+    def pivots_of_tile(self, interpret: bool) -> int:
+        """tile_pivots as a launch takes it: the knob, else 1 on a GPU, INTERPRETER_TILE_PIVOTS under the
+        interpreter."""
+        return self.tile_pivots or (self.INTERPRETER_TILE_PIVOTS if interpret else 1)
+
     # The fused plan holds the select step's register tile in the same kernel as the streaming
     # passes: with <= 128 registers a thread two 8-warp programs share a multiprocessor (one's
     # selection overlaps the other's loads) with 64 KB of loads in flight between them. Under
@@ -661,7 +666,7 @@ def topk_rows(logits: torch.Tensor, k: int, key_len: torch.Tensor | None = None,
     stride_bt = block_table.stride(0) if has_table else 0
     common = dict(HAS_KEY_LEN=has_key_len, num_warps=plan.num_warps,
                   **({"maxnreg": cfg.max_registers} if cfg.max_registers is not None else {}))
-    tile_pivots = cfg.tile_pivots or (cfg.INTERPRETER_TILE_PIVOTS if INTERPRET else 1)
+    tile_pivots = cfg.pivots_of_tile(INTERPRET)
     select = dict(CAP_PAD=plan.cap_pad, SELECT_BLOCK=plan.select_block, TILE_PIVOTS=tile_pivots,
                   ROW_PIVOTS=cfg.row_pivots, COUNT_BLOCK=plan.count_block)
 
