@@ -517,9 +517,12 @@ class TopkConfig:
     # at the collect's 4096-element block took it to 172-186 registers at k = 128, one program a
     # multiprocessor; at sub_block's 2048 (select_block's default) 125-127. At k = 2048 the
     # [4096] candidate and [8192] group-maxima tiles hold it at 171 (Triton 3.9: 128);
-    # max_registers = 128 would keep two programs at 72 B of spill (not yet timed:
-    # tune_topk.py --sweep max_registers select_block). The split plan's streaming kernels take ~56
-    # registers and run four programs a multiprocessor. Timed on an H200 (benchmarks/tune_topk.py, k = 2048):
+    # max_registers = 128 keeps two programs at 72 B of spill. Timed on the H200 (2026-12-05,
+    # tune_topk.py --sweep max_registers select_block --cases short, 4096 x 8K causal) neither
+    # buys time: select_block 512 / 2048 / 4096 0.331 / 0.333 / 0.335 ms at k = 128, a cap of 128
+    # +1-2% at k = 128 and 2048, a cap of 168 1.5x slower (benchmarks/README.md). The split
+    # plan's streaming kernels take ~56 registers and run four programs a multiprocessor. Timed on
+    # an H200 (benchmarks/tune_topk.py, k = 2048):
     # fused sub_block 2048 beat 512 by 1.3x (4096 x 64K causal: 1.84 vs 2.40 ms; 1024 x 128K: 0.91
     # vs 1.19 ms); split with 4 warps beat 8 by 1.3x (64 x 1M: 0.33 vs 0.43 ms; 256 x 1M: 1.16 vs
     # 1.59 ms) — 2.6x faster than torch.topk. With the split plan's atomic collect (one read, no
