@@ -266,10 +266,21 @@ def test_the_step_log_has_a_line_for_every_step(model, tmp_path, capsys):
     assert sum(r["tokens"] for r in lines) == sum(len(p) for p in prompts) + len(prompts) * (GREEDY.max_tokens - 1)
     assert all(r["tokens"] <= 48 for r in lines) and lines[0]["prefill"] >= 1 and lines[-1]["prefill"] == 0
     assert [r["t"] for r in lines] == sorted(r["t"] for r in lines)
+    # keys: the longest sequence a step computes, at its chunk's end; the last token sampled follows
+    # max_tokens - 1 computed ones of the longest prompt
+    assert all(1 <= r["keys"] <= 100 + GREEDY.max_tokens - 1 for r in lines)
+    assert max(r["keys"] for r in lines) == 100 + GREEDY.max_tokens - 1
+    assert 5 <= lines[0]["keys"] <= 48  # the first step: chunks from the prompts' starts, 48 tokens in all
     assert steplog.main([str(path), "--slowest", "3"]) == 0
     summary = capsys.readouterr().out
     assert f"{len(lines)} steps" in summary and "decode only" in summary and "with prefill" in summary
-    assert "host p50" in summary
+    assert "host p50" in summary and "by the keys a position sees" in summary
+    by_keys = steplog.prefill_by_keys(lines)  # (keys up to, steps, p50 ms, p50 ms per 1K tokens)
+    assert sum(n for _, n, _, _ in by_keys) == sum(1 for r in lines if r["prefill"])
+    assert [b for b, *_ in by_keys] == sorted(b for b, *_ in by_keys) and all(b & (b - 1) == 0 for b, *_ in by_keys)
+    assert steplog.main([str(path), "--plot", str(tmp_path / "steps.png")]) == 0
+    assert (tmp_path / "steps.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    capsys.readouterr()
     assert steplog.main([str(tmp_path / "missing.jsonl")]) == 2
     from megactx.cli import main  # the same as a subcommand, without runpy's double import of the module
 

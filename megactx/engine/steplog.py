@@ -3,10 +3,13 @@ the named parts of a step that `megactx bench profile` reads from a torch.profil
 
     llm = LLM(path, step_log="steps.jsonl")        # or: megactx serve --step-log steps.jsonl
     megactx steplog steps.jsonl                    # a summary: step times, and the slowest steps
+    megactx steplog steps.jsonl --plot steps.png   # + step times against time and against keys
 
 A line: {"pid", "t" (time.perf_counter() at the step's start, s; one clock for every process of a
 machine), "ms" (the step's wall time), "seqs" (sequences scheduled), "tokens" (positions computed),
-"prefill" (chunks that are not single-token decodes), "running", "waiting" (after the step),
+"keys" (the most keys a position of the step attends to: its sequence's length at the chunk's end,
+drafts included; what an indexer's scores grow with), "prefill" (chunks that are not single-token
+decodes), "running", "waiting" (after the step),
 "graphs" (CUDA graphs captured so far: a step that raised it waited for a capture), "wait_ms"
 (of "ms", the host's wait for the device's tokens; not in speculative steps)}. With overlapped
 steps (`async_scheduling`) a step's wall time is its host work plus its wait for the step before:
@@ -68,8 +71,10 @@ class StepLog:
         """scheduled: the step's ScheduledSeq list. device_wait_s: of the step's time, how long the host
         waited for the device's tokens (None: not known); the rest was host work."""
         prefill = sum(1 for item in scheduled if item.num_tokens > 1 or not item.samples)
+        keys = max((item.end + item.num_draft_tokens for item in scheduled), default=0)
         line = {"pid": self.pid, "t": round(start, 6), "ms": round(1e3 * (end - start), 3), "seqs": len(scheduled),
-                "tokens": num_tokens, "prefill": prefill, "running": running, "waiting": waiting, "graphs": graphs}
+                "tokens": num_tokens, "keys": keys, "prefill": prefill, "running": running, "waiting": waiting,
+                "graphs": graphs}
         if device_wait_s is not None:
             line["wait_ms"] = round(1e3 * device_wait_s, 3)
         self.file.write(json.dumps(line) + "\n")
@@ -113,9 +118,26 @@ def step_stats(steps: list[dict]) -> dict:
         "capture_s": sum(r["ms"] for r in captures) / 1e3}
 
 
+def prefill_by_keys(steps: list[dict]) -> list[tuple[int, int, float, float]]:
+    """The steps with a prefill chunk, by the keys their positions see (logs before "keys" existed
+    have none): (keys up to, a power of two; steps; p50 ms; p50 ms per 1K tokens computed), shortest
+    first. A long prompt's chunks grow dearer with the context before them (the indexers score
+    every earlier key): the rows say by how much, and a row out of line points at something else."""
+    rows = {}
+    for r in steps:
+        if r["prefill"] and r.get("keys"):
+            rows.setdefault(1 << (r["keys"] - 1).bit_length(), []).append(r)
+    return [(bound, len(rs), statistics.median(r["ms"] for r in rs),
+             statistics.median(1e3 * r["ms"] / r["tokens"] for r in rs)) for bound, rs in sorted(rows.items())]
+
+
+def _tokens(n: int) -> str:
+    return f"{n >> 20}M" if n >= 1 << 20 and not n & ((1 << 20) - 1) else f"{n >> 10}K" if n >= 1024 else str(n)
+
+
 def summarize(lines: list[dict], slowest: int = 10) -> str:
     """Per process: steps, wall-time percentiles of decode-only and other steps, time in steps that
-    captured graphs, and the slowest steps."""
+    captured graphs, prefill steps by the keys they see, and the slowest steps."""
     out = []
     for pid in sorted({r["pid"] for r in lines}):
         steps = [r for r in lines if r["pid"] == pid]
@@ -130,17 +152,63 @@ def summarize(lines: list[dict], slowest: int = 10) -> str:
                            f"p99 {st[f'{key}_p99_ms']:.2f} ms" + ("" if host is None else f", host p50 {host:.2f} ms"))
         if st["capture_steps"]:
             out.append(f"  {st['capture_steps']} steps captured CUDA graphs: {st['capture_s']:.2f} s")
+        by_keys = prefill_by_keys(steps)
+        if by_keys:
+            out.append("  steps with prefill, by the keys a position sees:")
+            out += [f"    <= {_tokens(bound):>5s} keys: {n:4d} steps, p50 {ms:9.2f} ms, {per_k:8.3f} ms per 1K tokens"
+                    for bound, n, ms, per_k in by_keys]
         out.append(f"  slowest {slowest}:")
         for r in sorted(steps, key=lambda r: -r["ms"])[:slowest]:
+            keys = f", {r['keys']} keys" if "keys" in r else ""
             out.append(f"    +{r['t'] - steps[0]['t']:8.3f} s  {r['ms']:8.2f} ms  {r['seqs']} seqs, {r['tokens']} "
-                       f"tokens ({r['prefill']} prefill), {r['running']} running, {r['waiting']} waiting, "
+                       f"tokens{keys} ({r['prefill']} prefill), {r['running']} running, {r['waiting']} waiting, "
                        f"graphs {r['graphs']}")
     return "\n".join(out)
+
+
+def plot(lines: list[dict], path: Path) -> None:
+    """Two panels: every step's wall time against the time since the process's first step (decode-only
+    and prefill steps apart: a step that slows down beside others points at the device's other
+    tenants), and the prefill steps' time against the keys they see (the indexers' growth)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_time, by_keys) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for pid in sorted({r["pid"] for r in lines}):
+        steps = [r for r in lines if r["pid"] == pid]
+        t0 = steps[0]["t"]
+        for kind, rs, marker in (("decode", [r for r in steps if not r["prefill"]], "."),
+                                 ("prefill", [r for r in steps if r["prefill"]], "o")):
+            if rs:
+                by_time.scatter([r["t"] - t0 for r in rs], [r["ms"] for r in rs], s=10, marker=marker,
+                                label=f"{pid} {kind}")
+        rs = [r for r in steps if r["prefill"] and r.get("keys")]
+        if rs:
+            by_keys.scatter([r["keys"] for r in rs], [r["ms"] for r in rs], s=12, label=str(pid))
+    by_time.set(xlabel="s since the process's first step", ylabel="step wall time (ms)", yscale="log",
+                title="every step")
+    by_keys.set(xlabel="keys a position sees", ylabel="step wall time (ms)", title="steps with prefill")
+    if by_keys.collections:
+        by_keys.set(xscale="log", yscale="log")
+    else:
+        by_keys.text(0.5, 0.5, 'no "keys" in this log (written before they were logged)', ha="center",
+                     transform=by_keys.transAxes)
+    for ax in (by_time, by_keys):
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", type=Path, help="a step log (JSON lines) written by LLM(step_log=...) / --step-log")
     p.add_argument("--slowest", type=int, default=10, help="slowest steps listed per process (default 10)")
+    p.add_argument("--plot", type=Path, metavar="PNG",
+                   help="also draw the steps' wall times against time and against the keys they see")
 
 
 def add_steplog_parser(subparsers) -> None:
@@ -159,6 +227,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"{args.path}: no steps logged", file=sys.stderr)
         return 1
     print(summarize(lines, args.slowest))
+    if args.plot is not None:
+        plot(lines, args.plot)
+        print(f"wrote {args.plot}")
     return 0
 
 
