@@ -175,7 +175,9 @@ def plot(lines: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (by_time, by_keys) = plt.subplots(1, 2, figsize=(12, 4.5))
+    with_keys = any(r["prefill"] and r.get("keys") for r in lines)  # older logs have none
+    fig, axes = plt.subplots(1, 2 if with_keys else 1, figsize=(12 if with_keys else 6.5, 4.5), squeeze=False)
+    by_time, by_keys = axes[0][0], axes[0][-1]
     for pid in sorted({r["pid"] for r in lines}):
         steps = [r for r in lines if r["pid"] == pid]
         t0 = steps[0]["t"]
@@ -189,13 +191,10 @@ def plot(lines: list[dict], path: Path) -> None:
             by_keys.scatter([r["keys"] for r in rs], [r["ms"] for r in rs], s=12, label=str(pid))
     by_time.set(xlabel="s since the process's first step", ylabel="step wall time (ms)", yscale="log",
                 title="every step")
-    by_keys.set(xlabel="keys a position sees", ylabel="step wall time (ms)", title="steps with prefill")
-    if by_keys.collections:
-        by_keys.set(xscale="log", yscale="log")
-    else:
-        by_keys.text(0.5, 0.5, 'no "keys" in this log (written before they were logged)', ha="center",
-                     transform=by_keys.transAxes)
-    for ax in (by_time, by_keys):
+    if with_keys:
+        by_keys.set(xlabel="keys a position sees", ylabel="step wall time (ms)", xscale="log", yscale="log",
+                    title="steps with prefill")
+    for ax in axes[0]:
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
