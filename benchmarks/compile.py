@@ -147,16 +147,21 @@ def recording() -> Iterator[Recorder]:
 
 def as_on_gpu(launch: Launch) -> Launch:
     """The launch a GPU makes where the kernels choose differently under the interpreter: DOT_F32
-    (the interpreter's bf16 tl.dot is wrong, so it upcasts; a GPU does only for fp32 inputs) and
+    (`common.dot_f32`: the interpreter's bf16 tl.dot is wrong, so it upcasts; a GPU only for fp32) and
     the top-k's TILE_PIVOTS (1 on a GPU, more where the interpreter pays per operation). The
     interpreter's fp32 sparse MLA output (a GPU writes q's dtype) is kept: one store's type. Sparse
     MLA on Hopper at kv_lora_rank 512 (GLM, DeepSeek) runs the Gluon kernels instead
     (`sparse_mla.default_kernel`), which the interpreter cannot run: the Triton kernel's launches
     are then its fallback's."""
+    import torch
+
+    from megactx.kernels.common import dot_f32
+
     args = dict(launch.args)
     if "DOT_F32" in args:
-        args["DOT_F32"] = any(isinstance(args.get(name), dict) and args[name].get("tensor") == "float32"
-                              for name in ("q_ptr", "k_ptr", "kv_ptr"))
+        operands = [getattr(torch, args[name]["tensor"]) for name in ("q_ptr", "k_ptr", "kv_ptr")
+                    if isinstance(args.get(name), dict)]
+        args["DOT_F32"] = dot_f32(*operands, interpret=False)
     if launch.kernel.startswith("megactx.kernels.topk:") and "TILE_PIVOTS" in args:
         from megactx.kernels.topk import TopkConfig
 

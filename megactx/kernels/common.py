@@ -13,6 +13,13 @@ import triton.language as tl
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def dot_f32(*dtypes: torch.dtype, interpret: bool = INTERPRET) -> bool:
+    """Whether a kernel's tl.dot runs in fp32 (its DOT_F32) for operands of these dtypes: where one is
+    fp32 (the exact paths), and under the interpreter where one is 16-bit (fp8 dots are right there).
+    interpret: False gives a GPU's choice (`megactx bench compile` compiles for one)."""
+    return torch.float32 in dtypes or (interpret and any(d.is_floating_point and d.itemsize == 2 for d in dtypes))
+
+
 # Launch arithmetic on the host. triton.cdiv and triton.next_power_of_2 are constexpr functions
 # since Triton 3.5 (~2.6 us a call on the host): a prefill chunk's indexer and top-k took ~17 of them.
 def cdiv(a: int, b: int) -> int:

@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megactx.kernels.common import INTERPRET, cdiv, check_device, next_power_of_2
+from megactx.kernels.common import INTERPRET, cdiv, check_device, dot_f32, next_power_of_2
 from megactx.kernels.reference import BLOCK_SIZE, chunked_topk
 from megactx.kernels.sparse_mla import num_sms
 from megactx.kernels.topk import topk_rows
@@ -179,7 +179,7 @@ def kernel_constants(launch: LogitsLaunch, HI: int, DI: int, dtype: torch.dtype,
                 LONE_PAD=_padded_heads(HI, 1), PAGE=BLOCK_SIZE, BLOCK_M=launch.block_m, DOTS=launch.num_dots,
                 BLOCK_N=launch.block_n, FILL_N=max(launch.block_n, FILL_ELEMENTS // launch.block_m),
                 STAGES=launch.num_stages, LONE_STAGES=launch.lone_stages, FP8=fp8,
-                DOT_F32=not fp8 and (INTERPRET or dtype == torch.float32), TMA=launch.tma, CONTIGUOUS=contiguous)
+                DOT_F32=dot_f32(dtype), TMA=launch.tma, CONTIGUOUS=contiguous)
 
 
 def has_tma(device: torch.device) -> bool:

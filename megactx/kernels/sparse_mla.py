@@ -69,7 +69,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from megactx.kernels.common import INTERPRET, cdiv, check_device, next_power_of_2
+from megactx.kernels.common import INTERPRET, cdiv, check_device, dot_f32, next_power_of_2
 from megactx.kernels.reference import BLOCK_SIZE, SCALE_GROUP
 
 _LOG2E = 1.4426950408889634
@@ -1027,7 +1027,7 @@ def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor
             *args,
             R=r, DR=dr, BLOCK_R=block_r, BLOCK_DR=block_dr, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
             PAGE=BLOCK_SIZE, GROUP=SCALE_GROUP, NG=max(1, block_r // SCALE_GROUP), FP8=fp8,
-            DOT_F32=INTERPRET or torch.float32 in (q.dtype, kv_cache.dtype), HAS_LEN=topk_len is not None,
+            DOT_F32=dot_f32(q.dtype, kv_cache.dtype), HAS_LEN=topk_len is not None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     if splits > 1:
