@@ -31,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 
+from megactx.analysis.flops import context_label
+
 FLUSH_S = 0.5
 PHASE_PREFIX = "megactx::"
 _recording_phases = False
@@ -131,10 +133,6 @@ def prefill_by_keys(steps: list[dict]) -> list[tuple[int, int, float, float]]:
              statistics.median(1e3 * r["ms"] / r["tokens"] for r in rs)) for bound, rs in sorted(rows.items())]
 
 
-def _tokens(n: int) -> str:
-    return f"{n >> 20}M" if n >= 1 << 20 and not n & ((1 << 20) - 1) else f"{n >> 10}K" if n >= 1024 else str(n)
-
-
 def summarize(lines: list[dict], slowest: int = 10) -> str:
     """Per process: steps, wall-time percentiles of decode-only and other steps, time in steps that
     captured graphs, prefill steps by the keys they see, and the slowest steps."""
@@ -155,8 +153,8 @@ def summarize(lines: list[dict], slowest: int = 10) -> str:
         by_keys = prefill_by_keys(steps)
         if by_keys:
             out.append("  steps with prefill, by the keys a position sees:")
-            out += [f"    <= {_tokens(bound):>5s} keys: {n:4d} steps, p50 {ms:9.2f} ms, {per_k:8.3f} ms per 1K tokens"
-                    for bound, n, ms, per_k in by_keys]
+            out += [f"    <= {context_label(bound):>5s} keys: {n:4d} steps, p50 {ms:9.2f} ms, "
+                    f"{per_k:8.3f} ms per 1K tokens" for bound, n, ms, per_k in by_keys]
         out.append(f"  slowest {slowest}:")
         for r in sorted(steps, key=lambda r: -r["ms"])[:slowest]:
             keys = f", {r['keys']} keys" if "keys" in r else ""
