@@ -7,6 +7,8 @@ over shuffled physical blocks, with exact and FP8 caches."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -107,6 +109,46 @@ def test_chunked_prefill_and_decode_match_the_full_forward(backend):
         with torch.no_grad():
             want = model(torch.tensor([prompt], device=DEVICE))[0]
         assert (logits - want).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_output_rows_compute_those_rows_and_write_every_rows_kv(backend):
+    """hidden_states(rows=...) gives the hidden states of those rows (or of none) and writes every
+    row's KV as the whole forward does; the last layer, full here, runs its indexer over those rows
+    alone (a long prompt's chunk samples one row, or none)."""
+    model = _tiny(index_topk_pattern="FSSF")
+    last = model.cfg.num_hidden_layers - 1
+    ids = torch.randint(0, 128, (1, 70), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    batch = PagedBatch.build([[3, 1]], [0], [70], DEVICE)
+    ops = kernel_ops(backend)
+
+    def forward(rows):
+        """-> (hidden states, caches, rows of the last layer's indexer calls)"""
+        caches = alloc_caches(model.cfg, 4, torch.float32, torch.float32, DEVICE)
+        seen = []
+
+        def indexer_topk(q, w, index_cache, *args):
+            if index_cache is caches[last][1]:
+                seen.append(q.shape[0])
+            return ops.indexer_topk(q, w, index_cache, *args)
+
+        counting = dataclasses.replace(ops, indexer_topk=indexer_topk)
+        layers = [PagedLayerCache(kv, index, batch, counting) for kv, index in caches[: last + 1]]
+        with torch.no_grad():
+            hidden = model.hidden_states(ids, batch.positions[None], layers,
+                                         None if rows is None else batch.output_rows(rows))[0]
+        return hidden, caches, seen
+
+    full, want_caches, seen = forward(None)
+    assert seen == [70]
+    for rows in ([69, 40], []) if backend == "torch" else ([69, 40],):  # (no row: no kernel but the KV write)
+        hidden, caches, seen = forward(rows)
+        assert seen == ([len(rows)] if rows else [])
+        assert hidden.shape == (len(rows), model.cfg.hidden_size)
+        if rows:
+            assert (hidden - full[rows]).abs().max().item() <= 1e-5
+        for (kv, index), (want_kv, want_index) in zip(caches, want_caches):
+            assert torch.equal(kv, want_kv) and (index is None or torch.equal(index, want_index))
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

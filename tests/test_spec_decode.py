@@ -12,6 +12,8 @@ rejected) and one made into a decent drafter (`BIGRAM_SCALE`), so that runs of d
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -169,6 +171,38 @@ def test_drafts_equal_the_reference_drafter_after_every_step(good_drafter, mode)
             assert held.tokens == ref.tokens[0].tolist()
             checked += 1
     assert checked >= 8
+
+
+def test_the_mtp_indexer_runs_only_where_a_draft_starts(good_drafter):
+    """MTP step 1 writes the KV of every position a step computes, but its indexer (a scan of the
+    whole context) runs only at the last position of a sequence that drafts: a prompt prefilled in
+    four chunks takes it once, at its last chunk's last row, and each decode step once a sequence."""
+    llm = _spec(good_drafter, max_num_batched_tokens=64)
+    mtp_index = llm.runner.caches[good_drafter.cfg.num_hidden_layers][1]
+    rows_seen = []  # rows of each indexer call over the MTP layer's cache
+    topk = llm.runner.ops.indexer_topk
+
+    def counting(q, w, index_cache, *args):
+        if index_cache is mtp_index:
+            rows_seen.append(q.shape[0])
+        return topk(q, w, index_cache, *args)
+
+    llm.runner.ops = dataclasses.replace(llm.runner.ops, indexer_topk=counting)
+    prompts = _prompts([200, 30], seed=4)
+    for prompt in prompts:
+        llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    steps = 0
+    while llm.has_unfinished():
+        llm.step()
+        steps += 1
+    assert rows_seen and set(rows_seen) <= {1, 2}  # one row a drafting sequence, two sequences at most
+    assert len(rows_seen) < steps  # the prompt's first chunks (no draft yet) ran no MTP indexer
+    # the drafts and the KV they read are those of the reference drafter (see the test below): here,
+    # that the outputs are still the non-speculative engine's
+    plain = LLM(good_drafter, device="cpu", num_blocks=32, max_num_batched_tokens=64)
+    want = plain.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
 
 
 def test_rejected_drafts_leave_exactly_the_kv_of_the_accepted_tokens(noise_drafter):

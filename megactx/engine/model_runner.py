@@ -54,6 +54,7 @@ import torch
 from megactx.engine.scheduler import ScheduledSeq
 from megactx.kernels.reference import BLOCK_SIZE
 from megactx.model.paged import (
+    OutputRows,
     PagedBatch,
     PagedLayerCache,
     StagedBuffers,
@@ -164,16 +165,16 @@ class ModelRunner:
         return [PagedLayerCache(kv, index, batch, self.ops) for kv, index in self.caches[: self.cfg.num_hidden_layers]]
 
     def prepare(self, scheduled: list[ScheduledSeq], device_tokens: DeviceTokens | None = None
-                ) -> tuple[torch.Tensor, PagedBatch, torch.Tensor]:
-        """-> input_ids [1, T], the batch metadata, and the rows [R] of the chunks that sample
-        (each chunk's last token), in scheduled order."""
+                ) -> tuple[torch.Tensor, PagedBatch, OutputRows]:
+        """-> input_ids [1, T], the batch metadata, and the rows of the chunks that sample (each
+        chunk's last token), in scheduled order."""
         ids = [t for item in scheduled for t in item.seq.token_ids[item.start : item.end]]
         batch = PagedBatch.build([item.seq.block_table for item in scheduled], [item.start for item in scheduled],
                                  [item.num_tokens for item in scheduled], self.device)
         ends = np.cumsum([item.num_tokens for item in scheduled]) - 1
         rows = ends[[i for i, item in enumerate(scheduled) if item.samples]].astype(np.int64)
         input_ids, rows_d = input_ids_on_device(ids, device_tokens, self.device, rows)
-        return input_ids[None], batch, rows_d
+        return input_ids[None], batch, batch.output_rows(rows, rows_d)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq], device_tokens: DeviceTokens | None = None) -> torch.Tensor:
@@ -196,8 +197,9 @@ class ModelRunner:
             if logits is not None:
                 return logits
         input_ids, batch, rows = self.prepare(scheduled, device_tokens)
-        hidden = self.model.hidden_states(input_ids, batch.positions[None], self.layer_caches(batch))[0]  # [T, D]
-        return self.model.compute_logits(hidden.index_select(0, rows))
+        # the last layer computes the sampling rows alone: of a long prompt's chunk, one row or none
+        hidden = self.model.hidden_states(input_ids, batch.positions[None], self.layer_caches(batch), rows)  # [1, R, D]
+        return self.model.compute_logits(hidden[0])
 
 
 @dataclass

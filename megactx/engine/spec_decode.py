@@ -15,7 +15,9 @@ One step of the speculative engine (`LLM.step` calls these in order):
 3. `SpecDecoder.propose` — MTP step 1 over every position the step computed: the MTP input at
    position i is the target hidden state h_i with the embedding of x_{i+1}, and it predicts x_{i+2}
    (model/mtp.py). It writes the MTP layer's KV into the same slots as the target's, so the two
-   caches always cover the same positions, share the prefix cache, and roll back together. Then
+   caches always cover the same positions, share the prefix cache, and roll back together. The rest
+   of the layer (its indexer over the whole context, attention, MLP) runs only at the positions a
+   draft starts from, outside the draft graphs: of a long prompt's chunk, one row or none. Then
    draft steps 2 .. k' continue from the last computed position of each sequence that keeps
    decoding, with the same MTP weights every step:
    - kvshare (IndexShare + KVShare, the checkpoint's `index_share_for_mtp_iteration`): steps >= 2
@@ -84,6 +86,7 @@ from megactx.engine.sequence import SequenceStatus
 from megactx.kernels.reference import BLOCK_SIZE
 from megactx.model.paged import (
     HostCopy,
+    OutputRows,
     PagedBatch,
     PagedLayerCache,
     slots_of_range,
@@ -248,7 +251,7 @@ def draft_tokens(items: Sequence[ScheduledSeq], drafts: Mapping[int, Draft],
 
 def mtp_forward(runner: ModelRunner, hidden: torch.Tensor, next_tokens: torch.Tensor, batch: PagedBatch,
                 positions: torch.Tensor, topk: torch.Tensor | None = None,
-                write_kv: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                write_kv: bool = True, rows: OutputRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One pass of the (first) MTP layer over its paged cache, `runner.caches[num_hidden_layers]`.
 
     hidden: [T, D], the target's final-normed hidden states (step 1) or the previous step's MTP
@@ -256,13 +259,14 @@ def mtp_forward(runner: ModelRunner, hidden: torch.Tensor, next_tokens: torch.Te
     (their KV is written to batch.slots when write_kv; the indexer reads the sequences' blocks);
     positions: [T] int64 rope positions (batch.positions, except for KVShare steps, which write and
     select nothing). topk: [T, K] slots to attend to instead of running the MTP indexer (-1 = none).
-    -> (output hidden [T, D] before shared_head.norm, top-k slots used [T, K] int32)."""
+    rows: compute only those rows' outputs (every row's KV is still written).
+    -> (output hidden [T or R, D] before shared_head.norm, top-k slots used [T or R, K] int32)."""
     model = runner.model
     kv, index = runner.caches[model.cfg.num_hidden_layers]
     cache = PagedLayerCache(kv, index, batch, runner.ops)
     cos, sin = model.rotary(positions[None], hidden.dtype)
     out, topk = model.mtp[0](hidden[None], model.embed(next_tokens)[None], cos, sin, positions[None], topk, cache,
-                             write_kv)
+                             write_kv, rows)
     return out[0], topk
 
 
@@ -452,8 +456,9 @@ class SpecDecoder:
     def propose(self, scheduled: Sequence[ScheduledSeq], target: TargetPass, num_drafts: Mapping[int, int],
                 generators: Mapping[int, RowGenerator]) -> None:
         """After the scheduler's postprocess(): MTP step 1 over every position the step computed
-        (writing the MTP KV), then drafts for the sequences in num_drafts (seq_id -> how many, from
-        Scheduler.max_draft_tokens; missing or 0 = none). Drafts the step verified are dropped.
+        (writing the MTP KV; the output only where a draft starts), then drafts for the sequences
+        in num_drafts (seq_id -> how many, from Scheduler.max_draft_tokens; missing or 0 = none).
+        Drafts the step verified are dropped.
 
         target: from forward(). generators: seq_id -> the generator of a seeded request."""
         device, runner = target.hidden.device, self.runner
@@ -478,11 +483,15 @@ class SpecDecoder:
         next_tokens = [t for seq, start, n in members for t in seq.token_ids[start + 1 : start + n + 1]]
         # each drafting sequence continues from its last computed position (its chunk's last row)
         ends = list(itertools.accumulate(n for _, _, n in members))
+        last_host = [ends[m] - 1 for m in plan.members]
         computed, next_ids, last = to_device_packed(  # one copy
-            [np.array(v, dtype=np.int64) for v in (rows, next_tokens, [ends[m] - 1 for m in plan.members])], device)
-        step1, topk = mtp_forward(runner, target.hidden.index_select(0, computed), next_ids, batch, batch.positions)
+            [np.array(v, dtype=np.int64) for v in (rows, next_tokens, last_host)], device)
+        # Every computed position's MTP KV; the rest of step 1 (its indexer over the whole context,
+        # attention, MLP) only where a draft starts: a long prefill's other rows would discard it.
+        step1, topk = mtp_forward(runner, target.hidden.index_select(0, computed), next_ids, batch, batch.positions,
+                                  rows=batch.output_rows(last_host, last))
         if plan.seqs:
-            self._draft(plan, step1.index_select(0, last), topk.index_select(0, last))
+            self._draft(plan, step1, topk)
 
     def _plan(self, members: list[tuple[Seq, int, int]], num_drafts: Mapping[int, int],
               generators: Mapping[int, RowGenerator]) -> _DraftPlan:

@@ -16,6 +16,7 @@ qk_rope / v head dims, HI / DI = indexer heads / dim, K = index_topk.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,7 @@ from torch import nn
 
 from megactx.config import ModelConfig
 from megactx.model.layers import RMSNorm, fuse_linears, rope_first
-from megactx.model.paged import PagedLayerCache
+from megactx.model.paged import OutputRows, PagedLayerCache
 from megactx.model.quant import hadamard, quantize_rows
 
 
@@ -230,7 +231,7 @@ class MLA(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                 topk: torch.Tensor | None = None, cache: LayerCache | None = None,
-                write_kv: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                write_kv: bool = True, rows: OutputRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [B, S, D]; cos/sin: [B or 1, S, dr] (Rotary); positions: [B or 1, S] absolute.
 
         topk: [B, S, K] key indices from this layer's full layer (required on shared layers;
@@ -238,12 +239,15 @@ class MLA(nn.Module):
         (positions 0..T0-1); x's own keys are appended when write_kv, else x only reads the cache
         (KVShare draft steps). Returns (out [B, S, D], topk [B, S, K'] used).
 
-        With a `PagedLayerCache` the same layer runs over paged caches instead (see `forward_paged`).
+        With a `PagedLayerCache` the same layer runs over paged caches instead (see `forward_paged`,
+        which alone takes `rows`).
         """
+        if rows is not None and not isinstance(cache, PagedLayerCache):
+            raise ValueError("rows (outputs of some rows only) needs a paged cache")
         if self.training_attention is not None:
             return self.training_attention(self, x, cos, sin, positions, topk, cache, write_kv)
         if isinstance(cache, PagedLayerCache):
-            return self.forward_paged(x, cos, sin, topk, cache, write_kv)
+            return self.forward_paged(x, cos, sin, topk, cache, write_kv, rows)
         q_resid, q_nope, q_pe = self.project_q(x, cos, sin)
         if cache is None or write_kv:
             c, k_pe = self.project_kv(x, cos, sin)
@@ -270,29 +274,47 @@ class MLA(nn.Module):
         out = self.attend(q_nope, q_pe, c, k_pe, allowed)
         return self.o_proj(out), topk
 
+    def write_paged_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       cache: PagedLayerCache) -> torch.Tensor | None:
+        """Write the KV of x [1, T, D] (and its indexer keys, on a layer with an indexer cache) to
+        cache.batch.slots. Returns q_a_proj(x) when the fused GEMM of x's projections computed it
+        (`fuse`; for `project_q`), else None."""
+        q_a_x = kv_a_x = wk_x = None
+        if self.x_proj is not None:
+            q_a_x, kv_a_x, *wk = F.linear(x, self.x_proj).split(self.x_proj_sizes, dim=-1)
+            wk_x = wk[0] if wk else None
+        rope = cache.ops.rope
+        c, k_pe = self.project_kv(x, cos, sin, rope, kv_a_x)  # [1, T, r], [1, T, dr]
+        index_k = None
+        if self.indexer is not None and cache.index is not None:
+            index_k = self.indexer.keys(x, cos, sin, rope, wk_x)[0]  # [T, DI]
+            if cache.index.dtype == torch.uint8:  # rotated before quantization, as in Indexer.scores(fp8=True)
+                index_k = index_k.float() @ self.indexer.rotation(x.device)
+        cache.ops.write_kv(c[0], k_pe[0], cache.batch.slots, cache.kv, index_k, cache.index)
+        return q_a_x
+
     def forward_paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, topk: torch.Tensor | None,
-                      cache: PagedLayerCache, write_kv: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                      cache: PagedLayerCache, write_kv: bool = True,
+                      rows: OutputRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The paged form: x [1, T, D] is the batch's T tokens flattened (cos/sin [1, T, dr] at
         their positions); cache.batch says where each token sits. Writes the tokens' KV (and
         indexer keys on full layers) unless write_kv is False, selects top-k physical slots with
         the indexer unless `topk` [T, K] is given (shared layers, KVShare steps), and attends in the
-        absorbed form through cache.ops. Returns (out [1, T, D], topk slots [T, K] int32, -1 = none)."""
+        absorbed form through cache.ops. Returns (out [1, T, D], topk slots [T, K] int32, -1 = none).
+        rows: compute only these R rows' outputs (out [1, R, D], topk [R, K]); every row's KV is
+        written still (a long prompt's last layer needs one row's output, its indexer would
+        score the whole context for every row)."""
         batch, ops = cache.batch, cache.ops
-        # x's projections in one GEMM when fused (a draft step that writes no KV needs only q's)
-        q_a_x = kv_a_x = wk_x = None
-        if write_kv and self.x_proj is not None:
-            q_a_x, kv_a_x, *wk = F.linear(x, self.x_proj).split(self.x_proj_sizes, dim=-1)
-            wk_x = wk[0] if wk else None
+        q_a_x = self.write_paged_kv(x, cos, sin, cache) if write_kv else None
+        if rows is not None:
+            x, cos, sin = (t[:, rows.index] for t in (x, cos, sin))
+            q_a_x = None if q_a_x is None else q_a_x[:, rows.index]
+            topk = None if topk is None else topk.index_select(0, rows.index)
+            batch, cache = rows.batch, dataclasses.replace(cache, batch=rows.batch)
+            if not len(rows):
+                return x, torch.empty(0, self.cfg.index_topk, dtype=torch.int32, device=x.device)
         q_resid, q_nope, q_pe = self.project_q(x, cos, sin, ops.rope, q_a_x)  # [1, T, q_lora], [1, T, H, dn|dr]
         fp8_index = cache.index is not None and cache.index.dtype == torch.uint8
-        if write_kv:
-            c, k_pe = self.project_kv(x, cos, sin, ops.rope, kv_a_x)  # [1, T, r], [1, T, dr]
-            index_k = None
-            if self.indexer is not None and cache.index is not None:
-                index_k = self.indexer.keys(x, cos, sin, ops.rope, wk_x)[0]  # [T, DI]
-                if fp8_index:  # rotated before quantization, as in Indexer.scores(fp8=True)
-                    index_k = index_k.float() @ self.indexer.rotation(x.device)
-            ops.write_kv(c[0], k_pe[0], batch.slots, cache.kv, index_k, cache.index)
 
         if topk is None:
             if self.indexer is None or cache.index is None:

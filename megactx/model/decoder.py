@@ -9,6 +9,7 @@ from megactx.config import ModelConfig
 from megactx.model.attention import MLA, LayerCache
 from megactx.model.layers import RMSNorm
 from megactx.model.moe import MLP, MoE
+from megactx.model.paged import OutputRows
 
 
 class DecoderLayer(nn.Module):
@@ -22,8 +23,13 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                 topk: torch.Tensor | None = None, cache: LayerCache | None = None,
-                write_kv: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [B, S, D] -> (x [B, S, D], topk [B, S, K]); arguments as in `MLA.forward`."""
-        attn, topk = self.self_attn(self.input_layernorm(x), cos, sin, positions, topk, cache, write_kv)
+                write_kv: bool = True, rows: OutputRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [B, S, D] -> (x [B, S, D], topk [B, S, K]); arguments as in `MLA.forward`. rows (paged
+        caches): only those rows' outputs, x [1, R, D] and topk [R, K] (every row's KV is written)."""
+        attn, topk = self.self_attn(self.input_layernorm(x), cos, sin, positions, topk, cache, write_kv, rows)
+        if rows is not None:
+            if not len(rows):  # nothing to compute past the KV
+                return attn, topk
+            x = x[:, rows.index]
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), topk

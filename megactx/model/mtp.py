@@ -22,6 +22,7 @@ from megactx.config import ModelConfig
 from megactx.model.attention import LayerCache
 from megactx.model.decoder import DecoderLayer
 from megactx.model.layers import RMSNorm
+from megactx.model.paged import OutputRows
 
 
 class SharedHead(nn.Module):
@@ -42,11 +43,12 @@ class MTPLayer(DecoderLayer):
 
     def forward(self, hidden: torch.Tensor, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 positions: torch.Tensor, topk: torch.Tensor | None = None, cache: LayerCache | None = None,
-                write_kv: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                write_kv: bool = True, rows: OutputRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden: [B, S, D] previous hidden states, embeds: [B, S, D] embeddings of the next tokens
-        -> (output hidden [B, S, D] before shared_head.norm, topk [B, S, K])."""
+        -> (output hidden [B, S, D] before shared_head.norm, topk [B, S, K]); rows as in
+        `DecoderLayer.forward`."""
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
-        return super().forward(x, cos, sin, positions, topk, cache, write_kv)
+        return super().forward(x, cos, sin, positions, topk, cache, write_kv, rows)
 
 
 @dataclass

@@ -258,11 +258,32 @@ class PagedBatch:
             [pos, np.array(slots, dtype=np.int64), np.array(seq_idx, dtype=np.int32), key_len, table], device)
         return cls(pos_d, slots_d, seq_d, key_len_d, table_d, torch.from_numpy(key_len))
 
+    def output_rows(self, rows: Sequence[int], index: torch.Tensor | None = None) -> OutputRows:
+        """Some of the batch's tokens as the rows whose outputs a forward computes: rows (host
+        indices, any order; index: the same on the batch's device, when the caller has it there)."""
+        index = to_device(np.asarray(rows, dtype=np.int64), self.positions.device) if index is None else index
+        picked = (t.index_select(0, index) for t in (self.positions, self.slots, self.seq_idx, self.key_len))
+        return OutputRows(index, PagedBatch(*picked, self.block_table,
+                                            self.key_len_host[torch.as_tensor(rows, dtype=torch.int64)]))
+
     def indexer_chunk(self) -> int:
         """Query rows per indexer logits chunk under LOGITS_BUDGET_BYTES (CPU_LOGITS_BUDGET_BYTES on a CPU)."""
         max_keys = int(self.key_len_host.max()) if self.num_tokens else 1
         budget = CPU_LOGITS_BUDGET_BYTES if self.key_len.device.type == "cpu" else LOGITS_BUDGET_BYTES
         return max(1, budget // (4 * max(max_keys, 1)))
+
+
+@dataclass(frozen=True)
+class OutputRows:
+    """The rows of a paged forward whose outputs are wanted (`PagedBatch.output_rows`): a layer given
+    them writes the KV of all its T rows and computes the rest (indexer, attention, MLP) for these
+    alone. index: [R] int64 on the device, into the T rows; batch: those rows' own PagedBatch."""
+
+    index: torch.Tensor
+    batch: PagedBatch
+
+    def __len__(self) -> int:
+        return self.batch.num_tokens
 
 
 @dataclass

@@ -22,6 +22,7 @@ from megactx.model.moe import MLP, MoE, Router
 from megactx.model.mtp import MTPLayer
 from megactx.model.paged import (
     KernelOps,
+    OutputRows,
     PagedBatch,
     PagedLayerCache,
     alloc_caches,
@@ -102,13 +103,14 @@ class Transformer(nn.Module):
         return self.model.embed_tokens(input_ids)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                      caches: list[LayerCache] | None = None) -> torch.Tensor:
+                      caches: list[LayerCache] | None = None, rows: OutputRows | None = None) -> torch.Tensor:
         """input_ids: [B, S] -> final-normed hidden states [B, S, D].
 
         positions: [B or 1, S] (default 0..S-1). caches: one LayerCache per layer to extend
         (tokens before input_ids), or None for a cache-free forward; or one PagedLayerCache per
         layer for a paged forward, where input_ids [1, T] are the batch's tokens flattened and
-        positions [1, T] must be given."""
+        positions [1, T] must be given. rows (paged): the rows whose hidden states are wanted,
+        -> [1, R, D]; the last layer computes only them past writing every row's KV."""
         B, S = input_ids.shape
         if caches is not None and isinstance(caches[0], PagedLayerCache) and positions is None:
             raise ValueError("a paged forward needs the tokens' positions")
@@ -118,10 +120,11 @@ class Transformer(nn.Module):
         x = self.embed(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         topk_of: dict[int, torch.Tensor] = {}  # full layer -> its top-k, reused by shared layers
+        last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
             src = self.cfg.topk_source(i)
             cache = caches[i] if caches is not None else None
-            x, topk_of[src] = layer(x, cos, sin, positions, topk_of.get(src), cache)
+            x, topk_of[src] = layer(x, cos, sin, positions, topk_of.get(src), cache, rows=rows if i == last else None)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
