@@ -462,6 +462,19 @@ def int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 1,16,64, got {text!r}") from None
 
 
+def pyplot():
+    """matplotlib.pyplot drawing to files (no display), or None where matplotlib is not installed
+    (a report then goes without its figure)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
 def save_figure(fig, path: Path) -> None:
     """Lay out, write (110 dpi) and close a matplotlib figure."""
     import matplotlib.pyplot as plt

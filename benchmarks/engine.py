@@ -103,6 +103,7 @@ from benchmarks.common import (
     machine_info,
     md_table,
     measure_machine_ceilings,
+    pyplot,
     rerender_from_json,
     save_figure,
     stop_process,
@@ -1303,12 +1304,8 @@ def steps_markdown(results: dict[str, Any]) -> str:
 def plot(results: dict[str, Any], path: Path) -> bool:
     """Two panels: output tokens/s by batch for each engine (with the online run at its
     concurrency); TTFT and ITL p50 / p99 by batch. False when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # no display: render to a file
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     runs = [RunFigures.from_dict(d) for d in results["offline"]]
     onlines = _online_runs(results)

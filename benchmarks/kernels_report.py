@@ -21,6 +21,7 @@ from benchmarks.common import (
     fmt_num,
     fmt_time,
     md_table,
+    pyplot,
     save_figure,
     weakest_method,
     write_suite_reports,
@@ -330,12 +331,8 @@ def plot(results: dict[str, Any], groups: list[dict[str, Any]], path: Path) -> b
     """Three panels: layer-group time vs context (log-log; hollow markers = extrapolated); prefill
     kernel TFLOP/s vs context with the matmul ceilings; decode GB/s with the copy ceiling. False
     when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # no display: render to a file
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     fig_data, c = Figures(results), Ceilings.from_dict(results["ceilings"])
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(19, 5.5))

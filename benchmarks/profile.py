@@ -56,6 +56,7 @@ from benchmarks.common import (
     machine_info,
     md_table,
     measure_machine_ceilings,
+    pyplot,
     rerender_from_json,
     save_figure,
     sync_device,
@@ -262,12 +263,8 @@ def render_markdown(results: dict[str, Any]) -> str:
 
 
 def plot(results: dict[str, Any], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     engines = results["engines"]
     fig, ax = plt.subplots(figsize=(9, 1.2 + 0.9 * len(engines)))

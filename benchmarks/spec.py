@@ -96,6 +96,7 @@ from benchmarks.common import (
     machine_info,
     md_table,
     measure_machine_ceilings,
+    pyplot,
     rerender_from_json,
     save_figure,
     sync_device,
@@ -687,12 +688,8 @@ def render_markdown(results: dict[str, Any], targets: list[dict[str, Any]]) -> s
 def plot(results: dict[str, Any], path: Path) -> bool:
     """Two panels: acceptance length by γ for each measured rung (one line style per batch, the
     published ladder at γ = 7 as stars); speed-up over no speculation by γ. False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # no display: render to a file
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     s, rungs = results["settings"], rungs_of(results)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.5))
