@@ -71,7 +71,7 @@ def _hf_overrides(text: str) -> dict[str, Any]:
 # `megactx bench SUITE`: each suite is the module benchmarks.<SUITE>, which defines HELP, a module
 # docstring (the --help text), add_arguments(parser) and run(args) -> exit code; a suite plugs in
 # by adding its name here.
-BENCH_SUITES = ("kernels", "engine", "spec", "profile", "compile")
+BENCH_SUITES = ("kernels", "engine", "spec", "profile", "chunk", "compile")
 
 
 def add_bench_parser(subparsers: Any) -> None:
