@@ -72,30 +72,47 @@ def test_a_shared_prompt_prefix_is_reused_with_the_same_blocks():
 
 
 
-def test_a_waiting_prompt_is_hashed_once(monkeypatch):
+def test_a_waiting_prompt_is_found_by_content_once_and_never_hashed(monkeypatch):
     """The scheduler asks can_allocate() about the queue's head every step while the pool cannot hold
-    it, then allocate(): each of its blocks is hashed once over all of those (a 1M-token prompt is
-    16K hashes), and again only as far as blocks registered since extend its match. A sequence
-    allocated, run and preempted is hashed afresh (its tokens may have changed)."""
+    it, then allocate(): its cached prefix is found by its tokens, each block looked up once over all
+    of those (a 1M-token prompt is 16K blocks), and again when the cache has changed since; nothing
+    is hashed until blocks are computed and registered (blake2b took 4.5x the lookups' time)."""
     import megactx.engine.block_manager as module
 
-    calls = []
-    monkeypatch.setattr(module, "block_hash", lambda prev, toks: calls.append(1) or block_hash(prev, toks))
+    hashed = []
+    monkeypatch.setattr(module, "block_hash", lambda prev, toks: hashed.append(1) or block_hash(prev, toks))
+
+    class Lookups(dict):
+        count = 0
+
+        def get(self, key, default=None):
+            Lookups.count += 1
+            return super().get(key, default)
+
     bm = BlockManager(8)
     shared = tokens(3 * BS, start=1000)
     a = prefilled(bm, 0, shared + tokens(5))  # 3 full blocks registered (4 in use)
-    calls.clear()
+    bm._by_content = Lookups(bm._by_content)
+    hashed.clear()
     waiting = Sequence(1, shared + tokens(5 * BS, start=500))  # 3 blocks hit, then 5 new: the 4 free will not do
     for _ in range(3):
         assert not bm.can_allocate(waiting)
-    assert len(calls) == 4  # the 3 hits and the first miss, once
-    bm.free(a)
-    assert bm.can_allocate(waiting) and len(calls) == 4
+    assert Lookups.count == 4 and not hashed  # the 3 hits and the first miss, once
+    bm.free(a)  # its registered blocks stay cached: the answer holds
+    assert bm.can_allocate(waiting) and Lookups.count == 4
     bm.allocate(waiting)
-    assert waiting.num_cached_tokens == 3 * BS and len(calls) == 4
+    assert waiting.num_cached_tokens == 3 * BS and Lookups.count == 4 and not hashed
     bm.free(waiting)
+    bm.can_allocate(waiting)  # allocated and freed since: looked up afresh
+    assert Lookups.count == 8
+    other = prefilled(bm, 2, tokens(2 * BS, start=3000))  # hashes and registers 2 blocks: the cache changed
+    assert len(hashed) == 2
+    assert Lookups.count == 9  # other's own admission: its first block, a miss
     bm.can_allocate(waiting)
-    assert len(calls) == 4 + 4
+    assert Lookups.count == 13
+    bm.free(other)
+    bm.check_invariants([])
+
 
 def test_a_partial_last_block_is_never_shared():
     bm = BlockManager(16)
