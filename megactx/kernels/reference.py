@@ -243,16 +243,18 @@ def _topk_positions(logits: torch.Tensor, k: int, key_len: torch.Tensor | None) 
     if key_len is not None:
         cols = torch.arange(logits.shape[-1], device=logits.device)
         logits = logits.masked_fill(cols >= key_len[:, None], float("-inf"))
-    if k > logits.shape[-1]:
-        logits = torch.nn.functional.pad(logits, (0, k - logits.shape[-1]), value=float("-inf"))
     if k == 0:
         return torch.zeros(logits.shape[0], 0, dtype=torch.int32, device=logits.device)
-    vals, pos = logits.topk(k, dim=-1)  # [T, k], largest first: a row's candidates before its -inf
-    # The set is torch.topk's unless the k-th value has ties left out, among which torch.topk picks in
-    # no set order; there the lowest positions are taken, as the kernel does. Ties at -inf need no rule:
-    # those positions become -1.
-    kth = vals[:, -1:]
-    spare = ((logits >= kth).sum(-1) > k) & (kth.squeeze(1) > float("-inf"))
+    if k + 1 > logits.shape[-1]:
+        logits = torch.nn.functional.pad(logits, (0, k + 1 - logits.shape[-1]), value=float("-inf"))
+    # The k + 1 largest, largest first (a row's candidates before its -inf): the set is torch.topk's
+    # unless the k-th value has ties left out (the (k + 1)-th equals it), among which torch.topk picks
+    # in no set order; there the lowest positions are taken, as the kernel does. Ties at -inf need no
+    # rule: those positions become -1.
+    vals, pos = logits.topk(k + 1, dim=-1)
+    kth = vals[:, k - 1 : k]
+    spare = (vals[:, k] == kth.squeeze(1)) & (kth.squeeze(1) > float("-inf"))
+    vals, pos = vals[:, :k], pos[:, :k]
     rows = spare.nonzero().squeeze(1)
     if rows.numel():
         pos[rows] = _lowest_ties(logits[rows], k, kth[rows])
