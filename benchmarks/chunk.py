@@ -19,7 +19,7 @@ wall ≈ device: the kernels bound it (the floor says how far they are from the 
 above device: the host does (its Python and launches for every buffer of rows). Random keys and
 queries give i.i.d.-like rows; a real model's rows can select differently (ties at 0.0, see
 megactx.kernels.topk). Defaults: megactx-tiny's indexer (4 heads x 64, top-k 128); GLM-5.2's is
---heads 32 --head-dim 128 --k 2048 (then fewer rows: 130x the FLOPs a row).
+--heads 32 --head-dim 128 --k 2048 (then fewer rows: 16x the FLOPs a query-key pair).
 
     megactx bench chunk                                  # contexts 128K, 512K and 1M; budgets 256 MiB and 1 GiB
     megactx bench chunk --contexts 1m --budgets 64M,256M,1G
