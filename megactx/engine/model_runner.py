@@ -22,7 +22,9 @@ count up to the step token budget (at most MAX_ROWS), the logits taken at the ro
 On the H200 an eager decode step of the tiny model took ~13 ms (hundreds of launches), its graphed
 one ~1.2 ms; an eager step of 64 new 128-token prompts 17 ms (15 ms of it host time, 3.7 ms of
 device time). Steps past the largest row bucket or with a large indexer logits buffer (long
-prefills, bound by the device) run eagerly, as does everything on a CPU.
+prefills, bound by the device) run eagerly, as does everything on a CPU; there the last layer
+computes only the rows that sample (`OutputRows`: every row writes its KV, one row of a long
+prompt's chunk, or none, runs its indexer and attention).
 
 Capture and replay go through a `Capture`: `CudaGraphCapture` (torch.cuda.CUDAGraph, one memory
 pool for all graphs) on CUDA; `EagerCapture` calls the captured function again at each replay, so
