@@ -274,15 +274,18 @@ class MLA(nn.Module):
         out = self.attend(q_nope, q_pe, c, k_pe, allowed)
         return self.o_proj(out), topk
 
-    def write_paged_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       cache: PagedLayerCache) -> torch.Tensor | None:
+    def project_x(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """(q_a_proj(x), kv_a_proj_with_mqa(x), indexer wk(x)) from the one GEMM of `fuse`, or Nones
+        where the projections are not fused (each then computes its own)."""
+        if self.x_proj is None:
+            return None, None, None
+        q_a_x, kv_a_x, *wk = F.linear(x, self.x_proj).split(self.x_proj_sizes, dim=-1)
+        return q_a_x, kv_a_x, wk[0] if wk else None
+
+    def write_paged_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PagedLayerCache,
+                       kv_a_x: torch.Tensor | None = None, wk_x: torch.Tensor | None = None) -> None:
         """Write the KV of x [1, T, D] (and its indexer keys, on a layer with an indexer cache) to
-        cache.batch.slots. Returns q_a_proj(x) when the fused GEMM of x's projections computed it
-        (`fuse`; for `project_q`), else None."""
-        q_a_x = kv_a_x = wk_x = None
-        if self.x_proj is not None:
-            q_a_x, kv_a_x, *wk = F.linear(x, self.x_proj).split(self.x_proj_sizes, dim=-1)
-            wk_x = wk[0] if wk else None
+        cache.batch.slots; kv_a_x, wk_x: from `project_x`, when computed."""
         rope = cache.ops.rope
         c, k_pe = self.project_kv(x, cos, sin, rope, kv_a_x)  # [1, T, r], [1, T, dr]
         index_k = None
@@ -291,7 +294,6 @@ class MLA(nn.Module):
             if cache.index.dtype == torch.uint8:  # rotated before quantization, as in Indexer.scores(fp8=True)
                 index_k = index_k.float() @ self.indexer.rotation(x.device)
         cache.ops.write_kv(c[0], k_pe[0], cache.batch.slots, cache.kv, index_k, cache.index)
-        return q_a_x
 
     def forward_paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, topk: torch.Tensor | None,
                       cache: PagedLayerCache, write_kv: bool = True,
@@ -305,7 +307,10 @@ class MLA(nn.Module):
         written still (a long prompt's last layer needs one row's output, its indexer would
         score the whole context for every row)."""
         batch, ops = cache.batch, cache.ops
-        q_a_x = self.write_paged_kv(x, cos, sin, cache) if write_kv else None
+        q_a_x = None  # a draft step that writes no KV needs only q's projection
+        if write_kv:
+            q_a_x, kv_a_x, wk_x = self.project_x(x)
+            self.write_paged_kv(x, cos, sin, cache, kv_a_x, wk_x)
         if rows is not None:
             x, cos, sin = (t[:, rows.index] for t in (x, cos, sin))
             q_a_x = None if q_a_x is None else q_a_x[:, rows.index]
