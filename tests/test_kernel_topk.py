@@ -6,7 +6,7 @@ the one the kernel documents (ties at the threshold go to the lowest positions):
 stable descending sort. On a CPU the kernel runs in the Triton interpreter, so rows stay short and
 the configs small enough that every path runs: rows selected directly (<= `candidates` keys), from
 the candidate buffer, from the buffer and the lowest ties at the threshold (fewer than k above it),
-and the overflow fallback, each in the fused and the split launch plan (`_paths` says which rows take
+and the overflow fallback, each in the fused and the split launch plan (`select_paths` says which rows take
 which, by the kernel's own rule)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megactx.kernels import reference as ref
-from megactx.kernels.topk import TopkConfig, TopkPlan, topk_rows
+from megactx.kernels.topk import TopkConfig, TopkPlan, select_paths, topk_rows
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Small tiles so that rows of ~1000 keys take many steps (two sub-tiles a tile in the collect pass);
@@ -57,38 +57,6 @@ def _check(logits: torch.Tensor, k: int, key_len: torch.Tensor | None, got: torc
         assert set(sel.tolist()) == set(order[t, :n_sel].tolist()), f"row {t}: ties not at the lowest positions"
 
 
-def _keys(x: torch.Tensor) -> torch.Tensor:
-    """The kernel's order-preserving int32 keys of fp32 values (`topk._key`), as int64."""
-    bits = x.float().contiguous().view(torch.int32).long()
-    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-
-
-def _paths(logits: torch.Tensor, k: int, key_len: torch.Tensor | None, cfg: TopkConfig) -> list[str]:
-    """Which path of the select step each row takes, by the kernel's rule: "direct" (at most
-    `candidates` keys), "buffer" (>= k keys above the first threshold tau, all in the buffer), "ties"
-    (fewer than k above tau: those and the lowest ties at tau) or "fallback" (the buffer overflowed)."""
-    plan = TopkPlan.make(*logits.shape, k, cfg, torch.device("cpu"))
-    x = _masked(logits, key_len).float().cpu()
-    n = x.shape[1] if key_len is None else key_len.clamp(0, x.shape[1])
-    paths = []
-    for t, row in enumerate(x):
-        if int(n if key_len is None else n[t]) <= plan.cap:
-            paths.append("direct")
-            continue
-        keys = _keys(row)
-        pad = (-len(keys)) % plan.groups
-        neg = int(_keys(torch.tensor([float("-inf")])))
-        groups = torch.cat([keys, torch.full((pad,), neg)]).view(-1, plan.groups).amax(0) + 2**31  # unsigned
-        p = 0
-        for b in range(TopkConfig.PREFIX_BITS):  # topk._lower_bound
-            if int((groups >= p + (1 << (31 - b))).sum()) >= k:
-                p += 1 << (31 - b)
-        tau = max(p - 2**31, neg + 1)
-        above = int((keys > tau).sum())
-        paths.append("fallback" if above > plan.cap else "buffer" if above >= k else "ties")
-    return paths
-
-
 def _key_len(T: int, L: int, gen: torch.Generator, k: int) -> torch.Tensor:
     """Row lengths covering the edge cases: 0, below k, all of L, and random ones."""
     lens = torch.randint(0, L + 1, (T,), generator=gen)
@@ -126,7 +94,7 @@ def test_ties_go_to_lowest_positions(plan, levels, candidates, path):
     logits = torch.randint(-levels // 2, levels - levels // 2, (T, L), generator=gen).float()
     key_len = torch.tensor([L, 0, k - 1, 700], dtype=torch.int32)
     cfg = dataclasses.replace(PLANS[plan], candidates=candidates)
-    paths = _paths(logits, k, key_len, cfg)
+    paths = select_paths(logits, k, key_len, cfg)
     assert path in paths and paths[1:3] == ["direct", "direct"], paths
     _check(logits, k, key_len, topk_rows(logits.to(DEVICE), k, key_len.to(DEVICE), config=cfg))
 
@@ -149,7 +117,7 @@ def test_relu_rows_with_fewer_than_k_positive(plan):
     logits[2, torch.randperm(L - 100, generator=gen)[:50]] = torch.rand(50, generator=gen) + 1
     logits[2, -100::3][:30] = 0.0  # the 14 taken end ~60 keys before the row's end
     key_len = torch.tensor([L, L, L, L, 777], dtype=torch.int32)
-    assert _paths(logits, k, key_len, PLANS[plan]) == ["ties"] * T
+    assert select_paths(logits, k, key_len, PLANS[plan]) == ["ties"] * T
     _check(logits, k, key_len, topk_rows(logits.to(DEVICE), k, key_len.to(DEVICE), config=PLANS[plan]))
 
 

@@ -695,4 +695,36 @@ def topk_rows(logits: torch.Tensor, k: int, key_len: torch.Tensor | None = None,
     return out
 
 
-__all__ = ["TopkConfig", "TopkPlan", "topk_rows"]
+def select_paths(logits: torch.Tensor, k: int, key_len: torch.Tensor | None = None,
+                 config: TopkConfig | None = None) -> list[str]:
+    """Which path of the select step each row of `logits` [T, L] takes in `topk_rows` (same
+    arguments), by the kernel's own rule, worked out on the host: "direct" (at most `candidates`
+    keys: the row is its own buffer), "buffer" (at least k keys above the first threshold, all in
+    the buffer), "ties" (fewer than k above it: those, then the lowest ties at it) or "fallback"
+    (the buffer overflowed: one program narrows over the whole row, reading it ~8 more times).
+    A row's cost depends on its path: for tests and diagnostics (scripts/layer0-indexer.py)."""
+    cfg = config or TopkConfig()
+    plan = TopkPlan.make(*logits.shape, k, cfg, torch.device("cpu"))  # (cap and groups: any device's)
+    x = logits.float().cpu()
+    n = torch.full((x.shape[0],), x.shape[1]) if key_len is None else key_len.cpu().clamp(0, x.shape[1])
+    neg = NEG_KEY.value  # the key of -inf
+    paths = []
+    for row, length in zip(x, n.tolist()):
+        if length <= plan.cap:
+            paths.append("direct")
+            continue
+        bits = row[:length].contiguous().view(torch.int32).long()
+        keys = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # `_key`: the order of the values
+        pad = (-length) % plan.groups
+        groups = torch.cat([keys, torch.full((pad,), neg)]).view(-1, plan.groups).amax(0) + 2**31
+        p = 0
+        for b in range(cfg.PREFIX_BITS):  # `_lower_bound`, on the keys as unsigned
+            if int((groups >= p + (1 << (31 - b))).sum()) >= k:
+                p += 1 << (31 - b)
+        tau = max(p - 2**31, neg + 1)
+        above = int((keys > tau).sum())
+        paths.append("fallback" if above > plan.cap else "buffer" if above >= k else "ties")
+    return paths
+
+
+__all__ = ["TopkConfig", "TopkPlan", "select_paths", "topk_rows"]
