@@ -815,12 +815,13 @@ class DraftGraphs:
         tokens = self.tokens[:bs, j - 1] if j else None  # what the step embeds: the previous step's drafts
         if j == 0:
             rows, last = bs * self.q, self.last_rows[:bs]
+            last_keys = torch.full((bs,), max_keys, dtype=torch.int32)  # (host) the key bucket bounds them
 
-            def step() -> torch.Tensor:
+            def step() -> torch.Tensor:  # every row writes its MTP KV; the sequences' last rows go on
                 out, selected = mtp_forward(runner, self.hidden_in[:rows], self.batch.input_ids[:rows], first,
-                                            first.positions)
-                hidden.copy_(out.index_select(0, last))
-                topk.copy_(selected.index_select(0, last))
+                                            first.positions, rows=OutputRows(last, first.select(last, last_keys)))
+                hidden.copy_(out)
+                topk.copy_(selected)
                 return logits.copy_(draft_logits(model, hidden))
         elif self.kv_share:
             positions = self.positions[j - 1, :bs]

@@ -258,13 +258,17 @@ class PagedBatch:
             [pos, np.array(slots, dtype=np.int64), np.array(seq_idx, dtype=np.int32), key_len, table], device)
         return cls(pos_d, slots_d, seq_d, key_len_d, table_d, torch.from_numpy(key_len))
 
+    def select(self, index: torch.Tensor, key_len_host: torch.Tensor) -> PagedBatch:
+        """The batch of the tokens at index ([R] int64 on the batch's device; device ops only, so a
+        CUDA graph may capture it), key_len_host [R] being theirs on the host. Same block table."""
+        picked = (t.index_select(0, index) for t in (self.positions, self.slots, self.seq_idx, self.key_len))
+        return PagedBatch(*picked, self.block_table, key_len_host)
+
     def output_rows(self, rows: Sequence[int], index: torch.Tensor | None = None) -> OutputRows:
         """Some of the batch's tokens as the rows whose outputs a forward computes: rows (host
         indices, any order; index: the same on the batch's device, when the caller has it there)."""
         index = to_device(np.asarray(rows, dtype=np.int64), self.positions.device) if index is None else index
-        picked = (t.index_select(0, index) for t in (self.positions, self.slots, self.seq_idx, self.key_len))
-        return OutputRows(index, PagedBatch(*picked, self.block_table,
-                                            self.key_len_host[torch.as_tensor(rows, dtype=torch.int64)]))
+        return OutputRows(index, self.select(index, self.key_len_host[torch.as_tensor(rows, dtype=torch.int64)]))
 
     def indexer_chunk(self) -> int:
         """Query rows per indexer logits chunk under LOGITS_BUDGET_BYTES (CPU_LOGITS_BUDGET_BYTES on a CPU)."""
