@@ -17,7 +17,8 @@ One step of the speculative engine (`LLM.step` calls these in order):
    (model/mtp.py). It writes the MTP layer's KV into the same slots as the target's, so the two
    caches always cover the same positions, share the prefix cache, and roll back together. The rest
    of the layer (its indexer over the whole context, attention, MLP) runs only at the positions a
-   draft starts from, outside the draft graphs: of a long prompt's chunk, one row or none. Then
+   draft starts from: of a long prompt's chunk, one row or none; after a decode step, a sequence's
+   last accepted position. Then
    draft steps 2 .. k' continue from the last computed position of each sequence that keeps
    decoding, with the same MTP weights every step:
    - kvshare (IndexShare + KVShare, the checkpoint's `index_share_for_mtp_iteration`): steps >= 2
@@ -586,9 +587,10 @@ SETTINGS_FIELDS = ("temperature", "top_k", "top_p", "min_p")  # what process_log
 
 
 class DraftGraphs:
-    """propose() as graphs: MTP step 1 over the positions each sequence computed, then draft steps
-    2 .. γ, for B sequences of at most q = γ + 1 computed positions (so: after a decode step),
-    keyed ("draft", batch bucket, key bucket, which) in the runner's `StepGraphs`.
+    """propose() as graphs: MTP step 1 over the positions each sequence computed (their KV; the
+    rest of the layer for the last one alone), then draft steps 2 .. γ, for B sequences of at most
+    q = γ + 1 computed positions (so: after a decode step), keyed ("draft", batch bucket, key
+    bucket, which) in the runner's `StepGraphs`.
 
     Granularity. Nothing between two draft steps is decided on the host, so step 1 and steps
     2 .. γ are one graph, one launch for the whole draft loop — what speculation at batch 1 needs,
