@@ -62,6 +62,20 @@ def _greedy(model, prompt, n):
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
+def test_the_progress_bar_says_how_far_the_prompts_are(model, capsys, monkeypatch):
+    """generate()'s bar counts requests; its postfix, the prompt tokens in the cache (of all) and the
+    output tokens, is what a long prompt's wait shows: here updated every step, ending complete."""
+    import megactx.engine.llm as llm_module
+
+    monkeypatch.setattr(llm_module._Progress, "PERIOD_S", 0.0)
+    prompts = _prompts([130, 20])
+    llm = LLM(model, device="cpu", num_blocks=32, max_num_seqs=4, max_num_batched_tokens=48)
+    llm.generate(prompts, GREEDY, use_tqdm=True)
+    lines = [line for line in capsys.readouterr().err.replace("\r", "\n").splitlines() if "prompt" in line]
+    assert any("prompt 48/150 tok" in line for line in lines)  # the first chunk, mid-prompt
+    assert "prompt 150/150 tok" in lines[-1] and f"output {2 * GREEDY.max_tokens} tok" in lines[-1]
+
+
 @pytest.mark.parametrize("setup", [
     dict(),  # plenty of room
     dict(max_num_batched_tokens=48),  # every prompt prefilled in chunks beside other decodes

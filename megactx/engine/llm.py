@@ -121,6 +121,39 @@ class _Request:
         self.stop_token_ids = frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else eos_token_ids)
 
 
+class _Progress:
+    """generate()'s progress bar counts requests; its postfix says what a long prompt's wait is made
+    of: prompt tokens in the KV cache (of all; a preempted sequence's go back to 0), output tokens,
+    and their rates since the call, every PERIOD_S at most."""
+
+    PERIOD_S = 0.5
+
+    def __init__(self, llm: LLM, seqs: list[Seq]):
+        self.llm, self.seqs = llm, seqs
+        self.prompt_total = sum(seq.num_prompt_tokens for seq in seqs)
+        self.generated_before = llm.stats.generation_tokens
+        self.start = self.last = time.perf_counter()
+
+    def due(self) -> bool:
+        now = time.perf_counter()
+        if now - self.last < self.PERIOD_S:
+            return False
+        self.last = now
+        return True
+
+    def line(self) -> str:
+        """e.g. 'prompt 524,288/1,048,576 tok (11,203 tok/s), output 0 tok'"""
+        seconds = max(time.perf_counter() - self.start, 1e-9)
+
+        def rate(n: int) -> str:
+            return f" ({n / seconds:,.0f} tok/s)" if n else ""
+
+        prompt = sum(seq.num_prompt_tokens if seq.is_finished else min(seq.num_computed_tokens, seq.num_prompt_tokens)
+                     for seq in self.seqs)  # (a finished sequence's blocks are freed: its count with them)
+        output = self.llm.stats.generation_tokens - self.generated_before
+        return f"prompt {prompt:,}/{self.prompt_total:,} tok{rate(prompt)}, output {output:,} tok{rate(output)}"
+
+
 class LLM:
     """The paged-KV inference engine (continuous batching, chunked prefill, prefix caching).
 
@@ -613,6 +646,7 @@ class LLM:
         from tqdm import tqdm
 
         unfinished = {rid for rid, o in outputs.items() if not o.finished}
+        progress = _Progress(self, [seq for rid in ids for seq in self.requests[rid].seqs])
         with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
             while unfinished:
                 for delta in self.step():
@@ -620,6 +654,10 @@ class LLM:
                     if delta.finish_reason is not None and rid in unfinished and outputs[rid].finished:
                         unfinished.discard(rid)
                         bar.update(1)
+                if not bar.disable and progress.due():
+                    bar.set_postfix_str(progress.line())
+            if not bar.disable:
+                bar.set_postfix_str(progress.line())
         return [outputs[rid] for rid in ids]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[Delta]:
