@@ -160,6 +160,7 @@ def _check_device(device: str) -> None:
 def checkpoint_demo(path: Path, needle_contexts: list[int], args: argparse.Namespace) -> None:
     """Sections 2 and 3 of the module docstring for the checkpoint at `path`, after a line about
     the model. Without a tokenizer.json they are skipped (both need text)."""
+    from megactx.analysis.flops import context_label
     from megactx.config import ModelConfig
     from megactx.generate import cpu_threads, usable_cores
     from megactx.model import load_model
@@ -191,6 +192,8 @@ def checkpoint_demo(path: Path, needle_contexts: list[int], args: argparse.Names
     chunk = CUDA_PREFILL_CHUNK if on_cuda else CPU_PREFILL_CHUNK
     generator = needle_generator(path, "held_out", held_out_corpus())
     for context in needle_contexts:
+        # the heading first: the engine's progress bar (stderr) shows the prefill under it
+        print(f"\n== Needle retrieval at {context_label(context)} tokens, sparse attention ==", flush=True)
         with cpu_threads(args.threads or usable_cores(), args.device):  # a long prefill's ops are large
             run = needle_demo(model, path, generator, context, args.seed, args.device, chunk)
         show_needle(run, cfg)
@@ -230,7 +233,7 @@ def needle_demo(model: Transformer, path: Path, generator: NeedleGenerator, cont
     llm = LLM(model, tokenizer=path, device=device, max_model_len=context, max_num_seqs=1,
               max_num_batched_tokens=prefill_chunk, warm_up=False)  # one request: nothing to warm up for
     start = time.perf_counter()
-    output = EngineAnswerer(llm)([case])[0]
+    output = EngineAnswerer(llm, use_tqdm=True)([case])[0]  # the prefill's progress, minutes on a CPU
     seconds = time.perf_counter() - start
     return NeedleRun(case, context, seed, output, seconds, llm.stats.time_to_first_token[-1])
 
@@ -245,7 +248,6 @@ def show_needle(run: NeedleRun, cfg: ModelConfig) -> None:
     answer = run.output.split(END)[0].strip()
     topk = min(cfg.index_topk, n)
     full = len(cfg.full_layers)
-    print(f"\n== Needle retrieval at {context_label(run.context)} tokens, sparse attention ==")
     print(f"(the case of `megactx eval needles --tasks single --contexts {context_label(run.context)} --cases 1 "
           f"--seed {run.seed}`)")
     print(f"hidden at token {needle.position:,} of {n:,} (depth {needle.offset / case.haystack_len:.2f}): "

@@ -258,17 +258,19 @@ def _batches(generator: NeedleGenerator, task: NeedleTask, context: int, num_cas
 
 class EngineAnswerer:
     """Greedy completions of the cases' token-id prompts with a `megactx.LLM`: at most the answer's
-    tokens + ANSWER_SLACK, stopping at the answer's final `<|end|>`."""
+    tokens + ANSWER_SLACK, stopping at the answer's final `<|end|>`. use_tqdm: the engine's progress
+    bar (prompt tokens prefilled) for each call, where nothing else shows the prefill's progress."""
 
-    def __init__(self, llm):
+    def __init__(self, llm, use_tqdm: bool = False):
         self.llm = llm
+        self.use_tqdm = use_tqdm
 
     def __call__(self, cases: Sequence[NeedleCase]) -> list[str]:
         from megactx import SamplingParams
 
         params = [SamplingParams(temperature=0.0, max_tokens=len(c.answer_ids) + ANSWER_SLACK,
                                  stop_token_ids=[c.answer_ids[-1]]) for c in cases]
-        outs = self.llm.generate([c.input_ids for c in cases], params, use_tqdm=False)
+        outs = self.llm.generate([c.input_ids for c in cases], params, use_tqdm=self.use_tqdm)
         return [o.text for o in outs]
 
 
