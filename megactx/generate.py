@@ -29,6 +29,7 @@ PROG = "megactx generate"
 RANDOM_PRESET = "tiny"
 RANDOM_SEED = 0
 DEFAULT_MAX_TOKENS = 128
+PREFILL_PROGRESS_TOKENS = 8192  # prompts from this long show their prefill's progress on stderr
 DTYPES = {"auto": None, "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
           "fp32": "float32", "float32": "float32"}
 # SamplingParams names a bad field in the first word of its ValueError; a person typed the flag.
@@ -117,7 +118,7 @@ def stream_completion(llm, prompt_ids: list[int], params, out: TextIO) -> Comple
     start = time.perf_counter()
     first = last = None
     text, tokens, reason = [], [], None
-    for delta in llm.stream(prompt_ids, params):
+    for delta in llm.stream(prompt_ids, params, prefill_progress=len(prompt_ids) >= PREFILL_PROGRESS_TOKENS):
         last = time.perf_counter()
         if first is None and delta.token_ids:
             first = last

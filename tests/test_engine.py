@@ -5,6 +5,7 @@ prefix-cache hits — and sampling, stopping, logprobs, streaming and aborts beh
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
@@ -74,6 +75,18 @@ def test_the_progress_bar_says_how_far_the_prompts_are(model, capsys, monkeypatc
     lines = [line for line in capsys.readouterr().err.replace("\r", "\n").splitlines() if "prompt" in line]
     assert any("prompt 48/150 tok" in line for line in lines)  # the first chunk, mid-prompt
     assert "prompt 150/150 tok" in lines[-1] and f"output {2 * GREEDY.max_tokens} tok" in lines[-1]
+
+
+def test_a_streamed_long_prompt_shows_its_prefill_until_the_text_starts(model, capsys, monkeypatch):
+    import megactx.engine.llm as llm_module
+
+    monkeypatch.setattr(llm_module._Progress, "PERIOD_S", 0.0)
+    prompt = _prompts([130])[0]
+    llm = LLM(model, device="cpu", num_blocks=32, max_num_seqs=4, max_num_batched_tokens=48)
+    tokens = [t for delta in llm.stream(prompt, GREEDY, prefill_progress=True) for t in delta.token_ids]
+    assert tokens == _greedy(model, prompt, GREEDY.max_tokens)
+    frames = re.findall(r"prefill:.*?(\d+)/130", capsys.readouterr().err)
+    assert any(0 < int(n) < 130 for n in frames), frames  # a chunk's count, before the first token
 
 
 @pytest.mark.parametrize("setup", [

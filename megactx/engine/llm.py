@@ -141,6 +141,11 @@ class _Progress:
         self.last = now
         return True
 
+    def prompt_done(self) -> int:
+        """Prompt tokens in the cache (a finished sequence's blocks are freed: its count with them)."""
+        return sum(seq.num_prompt_tokens if seq.is_finished else min(seq.num_computed_tokens, seq.num_prompt_tokens)
+                   for seq in self.seqs)
+
     def line(self) -> str:
         """e.g. 'prompt 524,288/1,048,576 tok (11,203 tok/s), output 0 tok'"""
         seconds = max(time.perf_counter() - self.start, 1e-9)
@@ -148,8 +153,7 @@ class _Progress:
         def rate(n: int) -> str:
             return f" ({n / seconds:,.0f} tok/s)" if n else ""
 
-        prompt = sum(seq.num_prompt_tokens if seq.is_finished else min(seq.num_computed_tokens, seq.num_prompt_tokens)
-                     for seq in self.seqs)  # (a finished sequence's blocks are freed: its count with them)
+        prompt = self.prompt_done()
         output = self.llm.stats.generation_tokens - self.generated_before
         return f"prompt {prompt:,}/{self.prompt_total:,} tok{rate(prompt)}, output {output:,} tok{rate(output)}"
 
@@ -660,13 +664,24 @@ class LLM:
                 bar.set_postfix_str(progress.line())
         return [outputs[rid] for rid in ids]
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[Delta]:
-        """Yield the request's deltas as they come (other queued requests advance too)."""
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None,
+               prefill_progress: bool = False) -> Iterator[Delta]:
+        """Yield the request's deltas as they come (other queued requests advance too).
+        prefill_progress: until the first delta, a progress bar on stderr of the prompt tokens in
+        the cache (a long prompt's wait), cleared when the text starts."""
+        from tqdm import tqdm
+
         request_id = self.add_request(prompt, params)
+        progress = _Progress(self, self.requests[request_id].seqs)
+        bar = tqdm(total=progress.prompt_total, desc="prefill", unit="tok", leave=False, disable=not prefill_progress)
         try:
             while request_id in self.requests:
                 for delta in self.step():
                     if delta.request_id == request_id:
+                        bar.close()
                         yield delta
+                if not bar.disable and progress.due():
+                    bar.update(progress.prompt_done() - bar.n)
         finally:
+            bar.close()
             self.abort(request_id)
