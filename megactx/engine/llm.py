@@ -673,7 +673,8 @@ class LLM:
 
         request_id = self.add_request(prompt, params)
         progress = _Progress(self, self.requests[request_id].seqs)
-        bar = tqdm(total=progress.prompt_total, desc="prefill", unit="tok", leave=False, disable=not prefill_progress)
+        bar = tqdm(total=progress.prompt_total, desc="prefill", unit="tok", leave=False, disable=not prefill_progress,
+                   mininterval=0, miniters=1)  # progress.due() paces it
         try:
             while request_id in self.requests:
                 for delta in self.step():
