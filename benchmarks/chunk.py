@@ -3,9 +3,10 @@
 A prompt of C tokens prefilled in chunks of R rows (the engine's --max-num-batched-tokens) ends with a
 chunk whose rows see C - R + 1 .. C keys. Every full layer's indexer scores and selects over them
 with `indexer_topk_chunked`, the engine's call, a buffer of logits at a time: budget / (4 C) rows
-(`megactx.model.paged.LOGITS_BUDGET_BYTES`, 256 MiB: 64 rows at 1M keys), so a 64K-row chunk at 1M
-is 1024 logits launches and 1024 selections, for each full layer. This suite runs that call alone,
-over a paged FP8 index cache of random keys in shuffled pages, for each context and logits budget:
+(`megactx.model.paged.LOGITS_BUDGET_BYTES`, 1 GiB: 256 rows at 1M keys; 256 MiB until 2026-12-05),
+so a 64K-row chunk at 1M is 256 logits launches and 256 selections, for each full layer. This
+suite runs that call alone, over a paged FP8 index cache of random keys in shuffled pages, for each
+context and logits budget:
 
 - wall: the call, synchronised (median of --reps runs);
 - enqueue: from the call to its return, before synchronising: the host's own time where it is the
@@ -256,8 +257,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contexts", type=parse_contexts, default=parse_contexts("128k,512k,1m"),
                    help="keys the chunk's last row sees, e.g. 512k,1m (default 128k,512k,1m)")
     p.add_argument("--budgets", type=lambda t: [parse_size(x) for x in t.split(",")],
-                   default=[LOGITS_BUDGET_BYTES, 1 << 30],
-                   help="logits buffer sizes, e.g. 64M,256M,1G (default: the engine's 256M and 1G)")
+                   default=[256 << 20, 1 << 30],
+                   help="logits buffer sizes, e.g. 64M,256M,1G (default: 256M, and 1G, the engine's since 2026-12-05)")
     p.add_argument("--rows", type=int, default=65536, help="query rows of the chunk (default 65536)")
     p.add_argument("--heads", type=int, default=4, help="indexer heads (default 4, megactx-tiny's)")
     p.add_argument("--head-dim", type=int, default=64, help="indexer head dim (default 64, megactx-tiny's)")

@@ -28,8 +28,13 @@ from megactx.kernels import reference as ref
 from megactx.model.layers import rope_first
 
 # The indexer computes logits for this many bytes of [query rows × keys] at a time (fp32), then
-# keeps each row's top-k: a 1M-token prefill never materialises its [1M × 1M] logits.
-LOGITS_BUDGET_BYTES = 256 << 20
+# keeps each row's top-k: a 1M-token prefill never materialises its [1M × 1M] logits. Each buffer
+# costs the host a logits launch and a four-kernel top-k (~0.5-0.6 ms of host time on the H100's
+# machine): at 256 MiB (64 rows at 1M keys) megactx-tiny's indexer was bound by the host, the GPU
+# busy 55-57% of a 64K chunk (`megactx bench chunk`, H100, 2026-12-05: 624 ms at 1M keys); at 1 GiB
+# 97-99% busy and at its bytes' floor (313 ms). GLM-5.2's indexer (16x the FLOPs a pair) is bound by
+# the device at both (59.6 and 55.9 ms for 4096 rows at 1M).
+LOGITS_BUDGET_BYTES = 1 << 30
 # On a CPU (the PyTorch twins) chunks whose temporaries stay in cache: a 16K-token prefill of
 # megactx-tiny on 2 cores took 12.1 s at 8 MiB, 13.2 s at 32 MiB and 18.1 s at 256 MiB.
 CPU_LOGITS_BUDGET_BYTES = 8 << 20
