@@ -59,6 +59,7 @@ from benchmarks.common import (
     write_suite_reports,
 )
 from benchmarks.profile import breakdown
+from megactx.analysis.flops import parse_context
 from megactx.model.paged import LOGITS_BUDGET_BYTES
 
 HELP = "the indexer's top-k over one long prefill chunk: host, device and floor time by logits budget"
@@ -78,16 +79,11 @@ def parse_size(text: str) -> int:
 
 
 def parse_contexts(text: str) -> list[int]:
-    """'128k,1m' -> [131072, 1048576] (k, m: binary thousands and millions of tokens)."""
-    out = []
-    for part in text.split(","):
-        p = part.strip().lower()
-        scale = {"k": 1 << 10, "m": 1 << 20}.get(p[-1:], 1)
-        number = p[:-1] if p[-1:] in ("k", "m") else p
-        if not number.isdigit() or int(number) < 1:
-            raise ValueError(f"--contexts takes token counts like 128k,1m; got {part!r}")
-        out.append(int(number) * scale)
-    return out
+    """'128k,1m' -> [131072, 1048576] (`megactx.analysis.flops.parse_context`), errors naming the flag."""
+    try:
+        return parse_context(text)
+    except ValueError as e:
+        raise ValueError(f"--contexts takes token counts like 128k,1m: {e}") from None
 
 
 def chunk_inputs(context: int, rows: int, heads: int, head_dim: int, device: torch.device,
