@@ -113,6 +113,20 @@ def _steps(log: Path, skip: int) -> list[dict]:
     return read(log)[skip:] if log.is_file() else []
 
 
+def timed_steps(warm: list[dict], timed: list[dict], wall_s: float, slowest: int = 5) -> dict[str, Any]:
+    """What a timed run's mean step is made of, beyond its median: the steps' own time against the
+    run's wall (the rest is generate()'s work outside steps), CUDA graphs captured during the run
+    (the warm-up should have met every shape), and the slowest steps with what they computed."""
+    if not timed:
+        return {}
+    before = warm[-1].get("graphs", 0) if warm else 0
+    return {"steps_ms": sum(r["ms"] for r in timed), "outside_steps_ms": 1e3 * wall_s - sum(r["ms"] for r in timed),
+            "graphs_captured": timed[-1].get("graphs", 0) - before,
+            "slowest_steps": [{"step": i, **{k: r.get(k) for k in ("ms", "tokens", "keys", "prefill")},
+                               "captured": r.get("graphs", 0) - (timed[i - 1].get("graphs", 0) if i else before)}
+                              for i, r in sorted(enumerate(timed), key=lambda ir: -ir[1]["ms"])[:slowest]]}
+
+
 def breakdown(events, steps: int, top: int) -> dict[str, Any]:
     """Per-step figures of a profiler's events: the engine's step phases (host spans, in step
     order), kernels (device time, most first), runtime/driver calls, and PyTorch ops by self CPU
@@ -162,7 +176,8 @@ def profile_engine(llm, prompts: list[list[int]], params: list, device: torch.de
 
     llm.generate(prompts, params, use_tqdm=False)  # compiles and captures what the runs meet
     llm.step_log.flush()
-    seen = len(_steps(log, 0))
+    warm = _steps(log, 0)
+    seen = len(warm)
     sync_device(device)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -185,6 +200,7 @@ def profile_engine(llm, prompts: list[list[int]], params: list, device: torch.de
     verifies = sum(s.num_drafts for s in stats)
     return {"steps": len(timed), "wall_s": wall, "wall_ms_per_step": 1e3 * wall / max(len(timed), 1),
             "step_ms_median": statistics.median(r["ms"] for r in timed) if timed else None,
+            **timed_steps(warm, timed, wall),
             "output_tokens": sum(len(o.token_ids) for o in outs),
             "mean_acceptance_length": 1 + accepted / verifies if verifies else None,
             "profiled_steps": len(profiled), **breakdown(prof.events(), steps, top)}
@@ -233,6 +249,20 @@ def _table(rows: list[dict[str, Any]], what: str) -> str:
                     [[f"`{r['name'][:90]}`", fmt_num(r["calls_per_step"]), fmt_num(r["us_per_step"])] for r in rows])
 
 
+def _timed_lines(e: dict[str, Any]) -> list[str]:
+    """The timed run beyond its median step (timed_steps), for a report's engine section."""
+    if "steps_ms" not in e:
+        return []
+    slow = "; ".join(f"step {r['step']}: {fmt_num(r['ms'])} ms ({r['tokens']} tokens"
+                     + (", a prefill" if r.get("prefill") else "") + (f", {r['captured']} graph(s) captured"
+                                                                      if r.get("captured") else "") + ")"
+                     for r in e["slowest_steps"])
+    return [f"Timed run: its {e['steps']} steps took {fmt_num(e['steps_ms'])} ms of its "
+            f"{fmt_num(1e3 * e['wall_s'])} ms wall ({fmt_num(e['outside_steps_ms'])} ms outside steps: "
+            f"`generate()`'s own work); {e['graphs_captured']} CUDA graph(s) captured during it. "
+            f"Slowest steps: {slow}.", ""]
+
+
 def render_markdown(results: dict[str, Any]) -> str:
     m = results["machine"]
     lines = [f"# megactx engine profile: {m.get('gpu') or 'CPU'}", "",
@@ -254,7 +284,8 @@ def render_markdown(results: dict[str, Any]) -> str:
     lines += [md_table(["γ", "steps", "wall ms a step", "median step ms", "device ms a step", "device busy",
                         "kernels a step", "acceptance length", "output tokens/s"], summary), ""]
     for e in results["engines"]:
-        lines += [f"## γ = {e['gamma']}", "", "Parts of a step (host spans; a part that waits for the device "
+        lines += [f"## γ = {e['gamma']}", ""] + _timed_lines(e) + [
+                  "Parts of a step (host spans; a part that waits for the device "
                   "includes the wait):", "", _table(e.get("phases", []), "part"),
                   "Kernels, by device time:", "", _table(e["kernels"], "kernel"),
                   "CUDA runtime / driver calls:", "", _table(e["runtime_calls"], "call"),

@@ -90,8 +90,15 @@ def test_profile_runs_the_engines_and_writes_the_reports(ckpt, tmp_path, capsys)
         assert e["kernels"] == [] and e["device_us_per_step"] == 0  # a CPU has no device side
         assert len(e["host_ops"]) == 6 and e["host_ops"][-1]["name"].startswith("other")
         assert any(r["name"] == "aten::mm" for r in e["host_ops"])
+        # the timed run beyond its median: its steps' own time within its wall, none captured (no CUDA),
+        # the slowest steps most first
+        assert 0 < e["steps_ms"] <= 1e3 * e["wall_s"] and e["outside_steps_ms"] >= 0 and e["graphs_captured"] == 0
+        slow = e["slowest_steps"]
+        assert len(slow) == 5 and [r["ms"] for r in slow] == sorted((r["ms"] for r in slow), reverse=True)
+        assert slow[0]["ms"] <= e["steps_ms"] and all(0 <= r["step"] < e["steps"] for r in slow)
     md = (tmp_path / "profile-cpu.md").read_text()
-    assert "## γ = 2" in md and "`aten::mm`" in md and (tmp_path / "profile-cpu.png").is_file()
+    assert "## γ = 2" in md and "`aten::mm`" in md and "Slowest steps: step " in md
+    assert (tmp_path / "profile-cpu.png").is_file()
     assert results["ceilings"] is None  # a CPU run measures none; a GPU's are shown beside its kernels:
     from benchmarks.common import Ceilings
     from benchmarks.profile import render_markdown
