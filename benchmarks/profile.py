@@ -14,7 +14,9 @@ later runs would compute only a prompt's last block, a shape the warm-up never m
 Per engine step (the engine's step log counts them): the wall time of the timed run; the host
 span of each part of a step (schedule, forward, sample or verify + propose, emit: the engine names
 them for the profiler, `megactx.engine.steplog.phase`; a part that waits for the device includes
-the wait); the device's busy time, kernels summed (CUDA graph replays included); the kernels
+the wait) and the device's idle time under each (where the device ran dry while the host worked on
+that part: the host time a faster host would save); the device's busy time, kernels summed (CUDA
+graph replays included); the kernels
 taking it, most first; the CUDA runtime and driver calls the host made (kernel and graph launches, copies,
 synchronisations); and the host's own work, the PyTorch ops by self CPU time. A profiled run is
 slower than the timed one (the profiler's host time), so walls come from the timed run and the
@@ -33,6 +35,7 @@ targets, and a profile has no peers: it explains a benchmark's figure.
 from __future__ import annotations
 
 import argparse
+import bisect
 import os
 import re
 import statistics
@@ -135,14 +138,17 @@ def breakdown(events, steps: int, top: int) -> dict[str, Any]:
     calls: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     ops: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     phases: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])  # first seen first: step order
+    busy, spans = [], []  # the kernels' (start, end) and the phases' (start, end, name), µs
     for e in events:
         on_device = e.device_type.name == "CUDA"
         if on_device and getattr(e, "is_user_annotation", False):
             continue  # a range's shadow on the GPU timeline (a phase's, say): the kernels in it count
         if on_device:
             row = kernels[e.name]
+            busy.append((e.time_range.start, e.time_range.end))
         elif e.name.startswith(PHASE_PREFIX):
             row = phases[e.name.removeprefix(PHASE_PREFIX)]
+            spans.append((e.time_range.start, e.time_range.end, e.name.removeprefix(PHASE_PREFIX)))
         elif RUNTIME_CALL.match(e.name):
             row = calls[e.name]
         else:  # an op: its own time, not its children's
@@ -162,11 +168,47 @@ def breakdown(events, steps: int, top: int) -> dict[str, Any]:
                         "us_per_step": sum(us for _, (_, us) in rest) / steps})
         return out
 
+    idle = device_idle(busy, spans)
     return {"phases": [{"name": name, "calls_per_step": n / steps, "us_per_step": us / steps}
+                       | ({"device_idle_us_per_step": idle.get(name, 0.0) / steps} if idle else {})
                        for name, (n, us) in phases.items()],
             "device_us_per_step": sum(us for _, us in kernels.values()) / steps,
+            **({"device_idle_us_per_step": sum(idle.values()) / steps,
+                "device_idle_between_steps_us_per_step": idle[BETWEEN_STEPS] / steps} if idle else {}),
             "kernels_per_step": sum(n for n, _ in kernels.values()) / steps,
             "kernels": table(kernels), "runtime_calls": table(calls), "host_ops": table(ops)}
+
+
+BETWEEN_STEPS = "(between steps)"
+
+
+def device_idle(busy: list[tuple[float, float]], spans: list[tuple[float, float, str]]) -> dict[str, float]:
+    """Where the device sat idle, by the part of a step the host was in: busy, the kernels'
+    (start, end); spans, the step parts' (start, end, name) (they follow one another) -> name ->
+    idle µs under it, with BETWEEN_STEPS for idle time in none (the engine's loop, generate()'s
+    own work). From the first part's start to the end of the last kernel or part; {} without
+    kernels or parts (a CPU run). Idle under a part that launches is the host's cost: the device
+    ran dry while it worked."""
+    if not busy or not spans:
+        return {}
+    busy, spans = sorted(busy), sorted(spans)
+    gaps, edge = [], spans[0][0]  # [(start, end)] in order, none overlapping
+    for start, end in busy:
+        if start > edge:
+            gaps.append((edge, start))
+        edge = max(edge, end)
+    last = max(edge, max(end for _, end, _ in spans))
+    if last > edge:
+        gaps.append((edge, last))
+    idle: dict[str, float] = defaultdict(float)
+    ends = [end for _, end in gaps]
+    for start, end, name in spans:
+        for a, b in gaps[bisect.bisect_right(ends, start):]:
+            if a >= end:
+                break
+            idle[name] += min(b, end) - max(a, start)
+    idle[BETWEEN_STEPS] = max(sum(b - a for a, b in gaps) - sum(idle.values()), 0.0)
+    return dict(idle)
 
 
 def profile_engine(llm, prompts: list[list[int]], params: list, device: torch.device, log: Path, top: int,
@@ -249,6 +291,18 @@ def _table(rows: list[dict[str, Any]], what: str) -> str:
                     [[f"`{r['name'][:90]}`", fmt_num(r["calls_per_step"]), fmt_num(r["us_per_step"])] for r in rows])
 
 
+def _phase_table(e: dict[str, Any]) -> str:
+    """The parts of a step, with the device's idle time under each where a device was profiled."""
+    rows = e.get("phases", [])
+    if "device_idle_us_per_step" not in e:
+        return _table(rows, "part")
+    body = [[f"`{r['name']}`", fmt_num(r["calls_per_step"]), fmt_num(r["us_per_step"]),
+             fmt_num(r.get("device_idle_us_per_step", 0.0))] for r in rows]
+    body += [[BETWEEN_STEPS, "–", "–", fmt_num(e["device_idle_between_steps_us_per_step"])],
+             ["**all**", "–", "–", f"**{fmt_num(e['device_idle_us_per_step'])}**"]]
+    return md_table(["part", "calls a step", "µs a step", "device idle under it, µs a step"], body)
+
+
 def _timed_lines(e: dict[str, Any]) -> list[str]:
     """The timed run beyond its median step (timed_steps), for a report's engine section."""
     if "steps_ms" not in e:
@@ -286,7 +340,7 @@ def render_markdown(results: dict[str, Any]) -> str:
     for e in results["engines"]:
         lines += [f"## γ = {e['gamma']}", ""] + _timed_lines(e) + [
                   "Parts of a step (host spans; a part that waits for the device "
-                  "includes the wait):", "", _table(e.get("phases", []), "part"),
+                  "includes the wait):", "", _phase_table(e),
                   "Kernels, by device time:", "", _table(e["kernels"], "kernel"),
                   "CUDA runtime / driver calls:", "", _table(e["runtime_calls"], "call"),
                   "Host: PyTorch ops by self CPU time:", "", _table(e["host_ops"], "op")]

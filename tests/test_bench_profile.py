@@ -24,6 +24,7 @@ class FakeEvent:
     device: str  # "CPU" or "CUDA"
     us: float  # span (kernels, runtime calls) or self CPU time (ops)
     is_user_annotation: bool = False  # a record_function range (on the GPU timeline too, with CUDA kernels)
+    start: float = 0.0  # µs on the profile's clock
 
     @property
     def device_type(self):
@@ -31,7 +32,7 @@ class FakeEvent:
 
     @property
     def time_range(self):
-        return SimpleNamespace(elapsed_us=lambda: self.us)
+        return SimpleNamespace(elapsed_us=lambda: self.us, start=self.start, end=self.start + self.us)
 
     @property
     def self_cpu_time_total(self):
@@ -47,8 +48,9 @@ def test_breakdown_sorts_kernels_calls_and_ops_per_step_and_folds_the_rest():
               + [FakeEvent("megactx::verify", "CUDA", 45.0, True)] * 2)  # its GPU shadow: not a kernel
     b = breakdown(events, steps=2, top=2)
     # the engine's named parts of a step, in step order, apart from the ops
-    assert b["phases"] == [{"name": "verify", "calls_per_step": 1.0, "us_per_step": 50.0},
-                           {"name": "emit", "calls_per_step": 1.0, "us_per_step": 4.0}]
+    assert [{k: r[k] for k in ("name", "calls_per_step", "us_per_step")} for r in b["phases"]] == [
+        {"name": "verify", "calls_per_step": 1.0, "us_per_step": 50.0},
+        {"name": "emit", "calls_per_step": 1.0, "us_per_step": 4.0}]
     assert b["device_us_per_step"] == pytest.approx((40 + 60 + 6) / 2)
     assert b["kernels_per_step"] == pytest.approx(12 / 2)
     assert [r["name"] for r in b["kernels"]] == ["topk", "gemm", "other (1)"]  # by device time, not calls
@@ -64,6 +66,28 @@ def test_breakdown_sorts_kernels_calls_and_ops_per_step_and_folds_the_rest():
 def ckpt(tmp_path_factory):
     return make_random_checkpoint(tmp_path_factory.mktemp("ckpt"), preset="tiny", seed=3, vocab_size=512,
                                   num_hidden_layers=2, first_k_dense_replace=5, index_topk=16)
+
+
+def test_device_idle_is_split_by_the_step_part_the_host_was_in():
+    """Two steps 100 µs apart, each: schedule 0-10, forward 10-40 (a kernel 15-35), verify 40-60 (a
+    kernel 45-65, past the part's end), emit 60-70. The span starts with the first part."""
+    def step(t0):
+        return [FakeEvent("megactx::schedule", "CPU", 10.0, True, t0), FakeEvent("megactx::forward", "CPU", 30.0,
+                                                                                 True, t0 + 10),
+                FakeEvent("megactx::verify", "CPU", 20.0, True, t0 + 40),
+                FakeEvent("megactx::emit", "CPU", 10.0, True, t0 + 60),
+                FakeEvent("gemm", "CUDA", 20.0, False, t0 + 15), FakeEvent("topk", "CUDA", 20.0, False, t0 + 45),
+                FakeEvent("megactx::verify", "CUDA", 18.0, True, t0 + 42)]  # a shadow: neither busy nor a part
+    b = breakdown(step(0.0) + step(100.0), steps=2, top=5)
+    idle = {r["name"]: r["device_idle_us_per_step"] for r in b["phases"]}
+    # schedule 0-10 all idle; forward 10-15 and 35-40; verify 40-45; emit 65-70
+    assert idle == {"schedule": 10.0, "forward": 10.0, "verify": 5.0, "emit": 5.0}
+    # 70-100 is in no part (once: the span ends with the second step's emit)
+    assert b["device_idle_between_steps_us_per_step"] == pytest.approx(30 / 2)
+    assert b["device_idle_us_per_step"] == pytest.approx(30 + 30 / 2)
+    # a CPU run (no kernels): no idle figures at all
+    cpu = breakdown([e for e in step(0.0) if e.device == "CPU"], steps=1, top=5)
+    assert "device_idle_us_per_step" not in cpu and "device_idle_us_per_step" not in cpu["phases"][0]
 
 
 def _args(ckpt, out, *extra):
