@@ -33,7 +33,8 @@ the draft logits (q is then one-hot: accepted with probability p(d)); "rejection
 `process_logits(draft logits)` and keeps q for the verify. Penalties and min_tokens shape p only:
 any q is valid as long as the drafts were drawn from it.
 
-Host syncs: one a step, the emitted tokens after the verify. The drafts stay on the device (the
+Host syncs: one a step, the emitted tokens after the verify (with the drafts already queued behind
+it where they can be: "Drafts before the sync" below). The drafts stay on the device (the
 next verify's inputs and its rejection rule read them there; `Draft.tokens`, their host copy, is
 fetched only for penalties and min_tokens), so the host emits, schedules and fills the next verify
 while the device drafts.
@@ -50,6 +51,15 @@ all decodes runs its verify forward as one graph of B sequences x (γ + 1) rows 
 kind "verify": a sequence with k < γ drafts leaves padding rows), and propose() runs the MTP
 steps as `DraftGraphs` whenever no sequence computed more than γ + 1 positions. The acceptance
 (verify()) stays eager: it is a handful of kernels ending in the step's host sync anyway.
+
+Drafts before the sync. With KVShare after a graphed verify, nothing in the next drafts waits for
+the host: verify() launches the draft graph between its acceptance and its host sync, from the
+accepted counts on the device (MTP step 1 over every verified position, the rejected ones'
+MTP KV included — uncomputed positions, written again before anything reads them — then γ drafts
+from each sequence's last accepted position), and propose() keeps the drafts of the sequences that
+go on. The device then runs verify and drafts back to back while the host emits, schedules and
+fills the next verify. A draft round spends γ vocabularies of a request's random stream whatever it
+drafts, on every path, so that sampled drafts do not depend on which path made them.
 """
 
 from __future__ import annotations
@@ -65,7 +75,7 @@ import torch
 
 from megactx.config import ModelConfig
 from megactx.engine.model_runner import DeviceTokens, input_ids_on_device
-from megactx.engine.rejection_sampler import draw_uniforms, greedy_verify, rejection_sample
+from megactx.engine.rejection_sampler import VerifyResult, draw_uniforms, greedy_verify, rejection_sample
 from megactx.engine.sampler import (
     PAD_ID,
     RowGenerator,
@@ -302,6 +312,8 @@ class SpecDecoder:
         self._graphs: DraftGraphs | None = None
         self._verify_sampling, self._draft_sampling = SamplingTensorsCache(), SamplingTensorsCache()
         self._positions: tuple[SamplingTensors, int, SamplingTensors] | None = None  # see _per_position
+        # drafts made before the verify's host sync (_draft_early), until propose() keeps them
+        self._held: tuple[_DraftPlan, torch.Tensor, torch.Tensor | None] | None = None
 
     def draft_lengths(self) -> dict[int, int]:
         """seq_id -> draft tokens held (what Scheduler.schedule takes)."""
@@ -399,8 +411,11 @@ class SpecDecoder:
             result = rejection_sample(process_logits(processed, tensors).view(bsz, width + 1, vocab), drafted,
                                       self._draft_probs([item for _, item in chunks], width), num_drafts,
                                       uniforms[:, :width], gens, self.shared_generator)
-        # the step's host sync, one copy: row b holds its num_accepted + 1 tokens, then PAD_ID
-        tokens = result.tokens.tolist()
+        # the step's host sync, one copy: row b holds its num_accepted + 1 tokens, then PAD_ID. Queued
+        # first, so that a graphed step's drafts follow the verify on the device while the host waits
+        copy = HostCopy(result.tokens)
+        self._draft_early(scheduled, target, result, generators)
+        tokens = copy.lists()[0]
         accepted = [row.index(PAD_ID) - 1 if PAD_ID in row else width for row in tokens]
 
         logprobs = None
@@ -452,6 +467,60 @@ class SpecDecoder:
                 q[b, torch.arange(k, device=device), draft.device_tokens[:k]] = 1.0
         return q
 
+    def _draft_early(self, scheduled: Sequence[ScheduledSeq], target: TargetPass, result: VerifyResult,
+                     generators: Mapping[int, RowGenerator]) -> None:
+        """The next drafts, launched before the verify's host sync when nothing in them waits for
+        the host: after a graphed verify (every chunk a decode) with KVShare, and drafts that are
+        argmaxes or sampled from the requests' streams (one draft graph). MTP step 1 then runs over
+        every verified position (the rejected ones' MTP KV is written too, past the sequence's
+        computed positions: the next step writes those positions again before anything reads them)
+        and goes on from each sequence's last accepted one, which the device knows; every sequence
+        drafts γ. propose() keeps the drafts of the sequences that go on (self._held). So the device
+        runs verify and drafts back to back, and the host's work after the sync (emit, schedule,
+        the next fill) overlaps the drafts instead of the device waiting for it."""
+        graphs = self._draft_graphs()
+        if graphs is None or target.q is None or not self.config.kv_share:
+            return
+        gamma = self.config.num_speculative_tokens
+        members = [(item.seq, item.start, item.num_draft_tokens + 1) for item in scheduled]
+        plan = self._plan(members, {item.seq.seq_id: gamma for item in scheduled}, generators)
+        if not plan.greedy and not all(isinstance(g, RowGenerator) for g in plan.gens):
+            return  # a graph a draft step, the sampling eager between them: after the sync
+        rows = [target.first_rows[b] + i for b, (_, _, n) in enumerate(members) for i in range(n)]
+        spent = self._streams_after_drafting(plan.seqs, generators)
+        if graphs.run(members, target, rows, plan, accepted=result):
+            for g, offset in spent:
+                g.offset = offset
+
+    def _streams_after_drafting(self, seqs: Sequence[Seq], generators: Mapping[int, RowGenerator]
+                                ) -> list[tuple[RowGenerator, int]]:
+        """(stream, its offset after the draft round) of each of seqs that has one: a draft round
+        spends γ vocabularies of a stream whatever it drafts (see propose())."""
+        spent = self.config.num_speculative_tokens * self.vocab_size
+        return [(g, g.offset + spent) for seq in seqs if isinstance(g := generators.get(seq.seq_id), RowGenerator)]
+
+    def _hold(self, plan: _DraftPlan, tokens: torch.Tensor, probs: torch.Tensor | None) -> None:
+        self._held = (plan, tokens, probs)
+
+    def _keep_held(self, num_drafts: Mapping[int, int]) -> None:
+        """The drafts _draft_early made, kept for the sequences that go on, num_drafts[seq_id] of
+        them (what the scheduler lets the next verify use, at most γ)."""
+        (plan, tokens, probs), self._held = self._held, None
+        for seq in plan.seqs:
+            self.forget(seq.seq_id)
+        kept = [(b, seq, min(num_drafts.get(seq.seq_id, 0), self.config.num_speculative_tokens))
+                for b, seq in enumerate(plan.seqs) if seq.status is SequenceStatus.RUNNING]
+        kept = [(b, seq, k) for b, seq, k in kept if k > 0]
+        if not kept:
+            return
+        if len(kept) < len(plan.seqs):
+            idx = to_device([b for b, _, _ in kept], tokens.device)
+            tokens = tokens.index_select(0, idx)
+            probs = None if probs is None else probs.index_select(0, idx)
+        self._keep(dataclasses.replace(plan, members=[plan.members[b] for b, _, _ in kept],
+                                       seqs=[seq for _, seq, _ in kept], steps=[k for _, _, k in kept],
+                                       gens=[plan.gens[b] for b, _, _ in kept]), tokens, probs)
+
     # -------------------------------------------------------------------------- propose
     @torch.inference_mode()
     def propose(self, scheduled: Sequence[ScheduledSeq], target: TargetPass, num_drafts: Mapping[int, int],
@@ -459,9 +528,26 @@ class SpecDecoder:
         """After the scheduler's postprocess(): MTP step 1 over every position the step computed
         (writing the MTP KV; the output only where a draft starts), then drafts for the sequences
         in num_drafts (seq_id -> how many, from Scheduler.max_draft_tokens; missing or 0 = none).
-        Drafts the step verified are dropped.
+        Drafts the step verified are dropped. When verify() drafted already (_draft_early), only
+        keeps those drafts.
+
+        Streams: a sequence that sampled this step and goes on spends γ vocabularies of its random
+        stream on its draft round, whatever it drafts (a draft step j draws the j-th of them): the
+        rule the drafts made before the host knows k follow, kept by every path, so a request's
+        tokens do not depend on which path drafted them.
 
         target: from forward(). generators: seq_id -> the generator of a seeded request."""
+        if self._held is not None:
+            self._keep_held(num_drafts)
+            return
+        spent = self._streams_after_drafting([item.seq for item in scheduled if item.samples
+                                              and item.seq.status is SequenceStatus.RUNNING], generators)
+        self._propose(scheduled, target, num_drafts, generators)
+        for g, offset in spent:
+            g.offset = offset
+
+    def _propose(self, scheduled: Sequence[ScheduledSeq], target: TargetPass, num_drafts: Mapping[int, int],
+                 generators: Mapping[int, RowGenerator]) -> None:
         device, runner = target.hidden.device, self.runner
         rows, members = [], []
         for item, first in zip(scheduled, target.first_rows):
@@ -653,16 +739,24 @@ class DraftGraphs:
         self.settings: SamplingTensors | None = None
         self.probs: torch.Tensor | None = None  # [n, γ, V] fp32
         self._filled: tuple[SamplingTensors, list[int]] | None = None  # whose keys and settings the rows hold
+        self.early_rounds = 0  # draft rounds run before the verify's host sync (run(accepted=...))
 
     def run(self, members: list[tuple[Seq, int, int]], target: TargetPass, rows: list[int],
-            plan: _DraftPlan) -> bool:
+            plan: _DraftPlan, accepted: VerifyResult | None = None) -> bool:
         """propose()'s MTP steps from graphs: members (sequence, chunk start, positions computed),
         target: the step's forward, rows [Σ computed]: the computed positions' rows in it. Holds the
-        drafts of plan.seqs and returns True; False (nothing run) when no graph fits."""
+        drafts of plan.seqs and returns True; False (nothing run) when no graph fits.
+
+        accepted: before the verify's host sync (SpecDecoder._draft_early; KVShare, one loop graph):
+        members' positions are the verified ones, and what follows from the accepted counts — each
+        row's next token, the row the drafts start from, their positions — is put in place on the
+        device. The drafts are then held (SpecDecoder._hold) until propose() keeps them."""
         q, device = self.q, self.runner.device
         if any(n > q for _, _, n in members):
             return False
         pos0 = [start + n - 1 for _, start, n in members]  # each sequence's last computed position
+        early = accepted is not None
+        assert not early or (self.kv_share and (plan.greedy or all(isinstance(g, RowGenerator) for g in plan.gens)))
         steps = [0] * len(members)
         for m, k in zip(plan.members, plan.steps):
             steps[m] = k
@@ -691,10 +785,11 @@ class DraftGraphs:
             host["hidden_from"][: len(rows)], host["hidden_to"][: len(rows)] = rows, filled
         last = host["last_rows"]
         last[:] = np.arange(last.shape[0]) * q
-        last[: len(members)] += [n - 1 for _, _, n in members]
+        if not early:  # (early: + the accepted drafts, on the device)
+            last[: len(members)] += [n - 1 for _, _, n in members]
         if self.gamma > 1:
             host["positions"][:] = np.arange(1, self.gamma)[:, None]  # [γ - 1, n]: pos0 + j, pos0 = 0 on padding
-            host["positions"][:, : len(members)] += pos0
+            host["positions"][:, : len(members)] += [start for _, start, _ in members] if early else pos0
             if not self.kv_share:  # step j + 1 of sequence b writes at pos0 + j while j < steps[b]
                 slots, key_len = host["slots"], host["key_len"]
                 slots[:], key_len[:] = -1, 0
@@ -705,8 +800,15 @@ class DraftGraphs:
         host["members"][: len(plan.members)] = plan.members
         new_streams = sampled_loop and self._stage_streams(plan, host)
         self.batch.fill(bs, [seq.block_table for seq, _, _ in members], [start for _, start, _ in members],
-                        [seq.token_ids[start + 1 : start + n + 1] for seq, start, n in members])
+                        [[0] * n if early else seq.token_ids[start + 1 : start + n + 1] for seq, start, n in members])
         fields = self.batch.buffers.device
+        if early:  # row b·q + i's next token is the verify's token i of sequence b; drafts start at its last accepted
+            width, num_accepted = accepted.tokens.shape[1], accepted.num_accepted
+            self.batch.input_ids[: len(members) * q].view(len(members), q)[:, :width].copy_(
+                accepted.tokens.clamp_min(0))
+            self.last_rows[: len(members)] += num_accepted
+            if self.gamma > 1:
+                self.positions[:, : len(members)] += num_accepted
         if not in_place:
             self.hidden_in.index_copy_(0, fields["hidden_to"][: len(rows)],
                                        target.hidden.index_select(0, fields["hidden_from"][: len(rows)]))
@@ -715,16 +817,18 @@ class DraftGraphs:
             graphs[0].replay()
             return True
         member_rows = fields["members"][: len(plan.members)]
+        keep = self.spec._hold if early else self.spec._keep
+        self.early_rounds += early
         if sampled_loop:
             if new_streams:
                 for name in SETTINGS_FIELDS:
                     getattr(self.settings, name).index_copy_(0, member_rows, getattr(plan.tensors, name))
             graphs[0].replay()
-            self.spec._keep(plan, self.tokens.index_select(0, member_rows), self.probs.index_select(0, member_rows))
+            keep(plan, self.tokens.index_select(0, member_rows), self.probs.index_select(0, member_rows))
             return True
         if loop:
             graphs[0].replay()
-            self.spec._keep(plan, self.tokens.index_select(0, member_rows), None)
+            keep(plan, self.tokens.index_select(0, member_rows), None)
             return True
         tokens = torch.zeros(len(plan.seqs), max(plan.steps), dtype=torch.long, device=device)
         probs = torch.zeros(len(plan.seqs), max(plan.steps), self.spec.vocab_size, device=device)
