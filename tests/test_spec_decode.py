@@ -444,7 +444,9 @@ def test_graphed_steps_equal_eager_steps(case, noise_drafter, good_drafter):
     assert outputs[3].num_cached_tokens == BLOCK_SIZE
     keys = graphed.runner.graphs.graphs
     verify = [k for k in keys if k[0] == "verify"]
-    assert len({bs for _, bs, _ in verify}) >= 2 and len({n for _, _, n in verify}) >= 2, sorted(keys)
+    assert len({bs for _, bs, _ in verify}) >= 2 and len({n for _, _, n in verify}) >= 2, sorted(keys, key=str)
+    # prefills (and the second wave's beside running decodes and their drafts) as ragged rows
+    assert any(k[0] == "mixed-hidden" for k in keys), sorted(keys, key=str)
     drafts = {k[3] for k in keys if k[0] == "draft"}
     if temperature == 0:
         assert "loop" in drafts, sorted(keys, key=str)

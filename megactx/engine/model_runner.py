@@ -527,7 +527,9 @@ class StepGraphs:
     buckets. Kinds: "decode" (the target over 1 token a sequence -> logits), "verify" (the target
     over the γ + 1 verified tokens of each sequence -> final-normed hidden states; SpecDecoder.verify
     then computes the logits it needs), "mixed" (any step of the plain engine as ragged rows ->
-    logits of the rows that sample; `forward_mixed`), "draft" (spec_decode.DraftGraphs).
+    logits of the rows that sample; `forward_mixed`), "mixed-hidden" (the same for the speculative
+    engine -> the final-normed hidden states of every row: prefill chunks beside decodes and their
+    drafts), "draft" (spec_decode.DraftGraphs).
 
     The key bucket bounds the indexer's logits buffer ([rows, keys] fp32): one graph for every
     context up to max_model_len would make a short-context step pay for 1M keys."""
@@ -618,33 +620,46 @@ class StepGraphs:
     @torch.inference_mode()
     def forward_mixed(self, tables: Sequence[Sequence[int]], starts: Sequence[int],
                       token_ids: Sequence[Sequence[int]], samples: Sequence[int],
-                      device_tokens: DeviceTokens | None = None) -> torch.Tensor | None:
+                      device_tokens: DeviceTokens | None = None, hidden: bool = False) -> torch.Tensor | None:
         """Any step (prefill chunks, decodes, both) as a ragged batch: sequence b computes tokens
         token_ids[b] at positions starts[b] .. over its blocks tables[b] -> logits [S, V] fp32 of
         the last token of sequences samples[0 .. S-1] (a view of a static buffer, as forward's);
         None when the step is past the largest row bucket or its indexer logits would exceed
         MIXED_LOGITS_BYTES (a long prefill: bound by the device, not by launches; run eagerly).
-        One graph per (row bucket, key bucket), whatever the number of sequences."""
+        One graph per (row bucket, key bucket), whatever the number of sequences. hidden: instead
+        the final-normed hidden states [T, D] of all T tokens, in order (token t in row t; kind
+        "mixed-hidden"; samples unused; `mixed_input_ids` then holds the step's tokens)."""
         n = sum(len(ids) for ids in token_ids)
         rows = next((r for r in self.row_buckets if r >= n), None)
         keys = next((k for k in self.key_buckets if k >= max(s + len(ids) for s, ids in zip(starts, token_ids))), None)
         if rows is None or keys is None or len(tables) > self.max_num_seqs or rows * keys * 4 > self.MIXED_LOGITS_BYTES:
             return None
         batch = self.static_batch("mixed", 1, self.row_buckets[-1], stable_rows=True)
-        graph = self.captured(("mixed", rows, keys), lambda: self._mixed(batch, rows, keys), batch.clear)
+        kind = "mixed-hidden" if hidden else "mixed"
+        graph = self.captured((kind, rows, keys), lambda: self._mixed(batch, rows, keys, hidden), batch.clear)
         batch.fill_ragged(tables, starts, token_ids, rows, samples, device_tokens)
         graph.replay()
-        return graph.outputs[: len(samples)]
+        return graph.outputs[:n] if hidden else graph.outputs[: len(samples)]
 
-    def _mixed(self, batch: StaticBatch, rows: int, max_keys: int) -> Callable[[], torch.Tensor]:
-        model = self.runner.model
+    def mixed_input_ids(self, n: int) -> torch.Tensor:
+        """The last mixed step's first n input tokens [n] int64 (device tokens in place)."""
+        return self._batches["mixed"].input_ids[:n]
+
+    def _mixed(self, batch: StaticBatch, rows: int, max_keys: int, hidden: bool) -> Callable[[], torch.Tensor]:
+        model, cfg = self.runner.model, self.runner.cfg
         paged = batch.view(self.max_num_seqs, max_keys, rows)
         layers = self.runner.layer_caches(paged)
-        out = self.output("logits", self.max_num_seqs, self.runner.cfg.vocab_size)
+        if hidden:  # every row's, in a buffer of the largest row bucket shared by these graphs
+            if "hidden-ragged" not in self._outputs:
+                self._outputs["hidden-ragged"] = torch.zeros(self.row_buckets[-1], cfg.hidden_size, dtype=model.dtype,
+                                                             device=self.runner.device)
+            out = self._outputs["hidden-ragged"][:rows]
+        else:
+            out = self.output("logits", self.max_num_seqs, cfg.vocab_size)
 
         def step() -> torch.Tensor:
-            hidden = model.hidden_states(batch.input_ids[None, :rows], paged.positions[None], layers)[0]  # [rows, D]
-            return out.copy_(model.compute_logits(hidden.index_select(0, batch.sample_rows)))
+            states = model.hidden_states(batch.input_ids[None, :rows], paged.positions[None], layers)[0]  # [rows, D]
+            return out.copy_(states if hidden else model.compute_logits(states.index_select(0, batch.sample_rows)))
 
         return step
 
