@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import contextlib
 import os
 import re
 import statistics
@@ -114,6 +115,34 @@ def _steps(log: Path, skip: int) -> list[dict]:
     from megactx.engine.steplog import read
 
     return read(log)[skip:] if log.is_file() else []
+
+
+@contextlib.contextmanager
+def timed_replays(graphs):
+    """Within it, the host time of every replay of the CUDA graphs `graphs` (a runner's StepGraphs,
+    or None) holds, by graph kind -> {kind: [replays, µs]}: what a launch of each graph costs the
+    host without a profiler (which slows graph launches itself). Graphs captured inside are not
+    timed (the warm-up should have met them all)."""
+    times: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    held = list(graphs.graphs.items()) if graphs is not None else []
+
+    def timed(kind: str, replay):
+        def run() -> None:
+            start = time.perf_counter()
+            replay()
+            row = times[kind]
+            row[0] += 1
+            row[1] += 1e6 * (time.perf_counter() - start)
+        return run
+
+    own = [graph.replay for _, graph in held]
+    for key, graph in held:
+        graph.replay = timed(str(key[0]), graph.replay)
+    try:
+        yield times
+    finally:
+        for (_, graph), replay in zip(held, own):
+            graph.replay = replay
 
 
 def timed_steps(warm: list[dict], timed: list[dict], wall_s: float, slowest: int = 5) -> dict[str, Any]:
@@ -221,10 +250,11 @@ def profile_engine(llm, prompts: list[list[int]], params: list, device: torch.de
     warm = _steps(log, 0)
     seen = len(warm)
     sync_device(device)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    sync_device(device)
-    wall = time.perf_counter() - start
+    with timed_replays(getattr(llm.runner, "graphs", None)) as replays:
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        sync_device(device)
+        wall = time.perf_counter() - start
     llm.step_log.flush()
     timed = _steps(log, seen)
     seen += len(timed)
@@ -243,6 +273,8 @@ def profile_engine(llm, prompts: list[list[int]], params: list, device: torch.de
     return {"steps": len(timed), "wall_s": wall, "wall_ms_per_step": 1e3 * wall / max(len(timed), 1),
             "step_ms_median": statistics.median(r["ms"] for r in timed) if timed else None,
             **timed_steps(warm, timed, wall),
+            "graph_replays": [{"kind": kind, "replays_per_step": n / max(len(timed), 1), "host_us_per_replay": us / n}
+                              for kind, (n, us) in replays.items() if n],
             "output_tokens": sum(len(o.token_ids) for o in outs),
             "mean_acceptance_length": 1 + accepted / verifies if verifies else None,
             "profiled_steps": len(profiled), **breakdown(prof.events(), steps, top)}
@@ -304,9 +336,16 @@ def _phase_table(e: dict[str, Any]) -> str:
 
 
 def _timed_lines(e: dict[str, Any]) -> list[str]:
-    """The timed run beyond its median step (timed_steps), for a report's engine section."""
+    """The timed run beyond its median step (timed_steps) and its graph launches (timed_replays),
+    for a report's engine section."""
     if "steps_ms" not in e:
         return []
+    launches = []
+    if e.get("graph_replays"):
+        launches = ["CUDA graph launches of the timed run (the host's time in `replay()`, no profiler):", "",
+                    md_table(["graph kind", "replays a step", "host µs a replay"],
+                             [[f"`{r['kind']}`", fmt_num(r["replays_per_step"]), fmt_num(r["host_us_per_replay"])]
+                              for r in e["graph_replays"]]), ""]
     slow = "; ".join(f"step {r['step']}: {fmt_num(r['ms'])} ms ({r['tokens']} tokens"
                      + (", a prefill" if r.get("prefill") else "") + (f", {r['captured']} graph(s) captured"
                                                                       if r.get("captured") else "") + ")"
@@ -314,7 +353,7 @@ def _timed_lines(e: dict[str, Any]) -> list[str]:
     return [f"Timed run: its {e['steps']} steps took {fmt_num(e['steps_ms'])} ms of its "
             f"{fmt_num(1e3 * e['wall_s'])} ms wall ({fmt_num(e['outside_steps_ms'])} ms outside steps: "
             f"`generate()`'s own work); {e['graphs_captured']} CUDA graph(s) captured during it. "
-            f"Slowest steps: {slow}.", ""]
+            f"Slowest steps: {slow}.", ""] + launches
 
 
 def render_markdown(results: dict[str, Any]) -> str:

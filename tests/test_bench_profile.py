@@ -90,6 +90,27 @@ def test_device_idle_is_split_by_the_step_part_the_host_was_in():
     assert "device_idle_us_per_step" not in cpu and "device_idle_us_per_step" not in cpu["phases"][0]
 
 
+def test_timed_replays_time_each_graph_kind_and_give_the_graphs_back():
+    from benchmarks.profile import timed_replays
+    from megactx.engine.model_runner import Graph
+
+    calls = []
+    graphs = SimpleNamespace(graphs={("verify", 1, 64): Graph(lambda: calls.append("v"), None),
+                                     ("draft", 1, 64, "loop"): Graph(lambda: calls.append("d"), None)})
+    own = {key: graph.replay for key, graph in graphs.graphs.items()}
+    with timed_replays(graphs) as times:
+        for _ in range(3):
+            graphs.graphs[("verify", 1, 64)].replay()
+        graphs.graphs[("draft", 1, 64, "loop")].replay()
+    assert calls == ["v", "v", "v", "d"]  # the graphs ran, each replay timed under its kind
+    assert {kind: n for kind, (n, _) in times.items()} == {"verify": 3, "draft": 1}
+    assert all(us > 0 for _, us in times.values())
+    assert all(graph.replay is own[key] for key, graph in graphs.graphs.items())
+    with timed_replays(None) as none:  # an engine without graphs (a CPU)
+        pass
+    assert not none
+
+
 def _args(ckpt, out, *extra):
     return ["bench", "profile", "--device", "cpu", "--model", str(ckpt), "--prompt-len", "12", "--output-len", "9",
             "--top", "5", "--out", str(out), *extra]
@@ -120,6 +141,7 @@ def test_profile_runs_the_engines_and_writes_the_reports(ckpt, tmp_path, capsys)
         slow = e["slowest_steps"]
         assert len(slow) == 5 and [r["ms"] for r in slow] == sorted((r["ms"] for r in slow), reverse=True)
         assert slow[0]["ms"] <= e["steps_ms"] and all(0 <= r["step"] < e["steps"] for r in slow)
+        assert e["graph_replays"] == []  # no CUDA graphs on a CPU
     md = (tmp_path / "profile-cpu.md").read_text()
     assert "## γ = 2" in md and "`aten::mm`" in md and "Slowest steps: step " in md
     assert (tmp_path / "profile-cpu.png").is_file()
@@ -129,6 +151,9 @@ def test_profile_runs_the_engines_and_writes_the_reports(ckpt, tmp_path, capsys)
 
     gpu = results | {"ceilings": Ceilings(680.0, 1200.0, 4100.0, {"matmul_n": 8192, "copy_bytes": 1 << 30}).to_dict()}
     assert "## Ceilings (measured in this run)" in render_markdown(gpu) and "4,100 GB/s" in render_markdown(gpu)
+    gpu["engines"][1] = spec | {"graph_replays": [{"kind": "verify", "replays_per_step": 1.0,
+                                                   "host_us_per_replay": 250.0}]}
+    assert "| `verify` | 1 | 250 |" in render_markdown(gpu)
     again = tmp_path / "again"
     assert main(["bench", "profile", "--from-json", str(tmp_path / "profile-cpu.json"), "--out", str(again)]) == 0
     assert (again / "profile-cpu.md").read_text() == md
