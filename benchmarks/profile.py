@@ -378,8 +378,11 @@ def render_markdown(results: dict[str, Any]) -> str:
                         "kernels a step", "acceptance length", "output tokens/s"], summary), ""]
     for e in results["engines"]:
         lines += [f"## γ = {e['gamma']}", ""] + _timed_lines(e) + [
-                  "Parts of a step (host spans; a part that waits for the device "
-                  "includes the wait):", "", _phase_table(e),
+                  "Parts of a step (host spans, profiled; a part that waits for the device "
+                  "includes the wait" + ("; the profiler slows CUDA graph launches, so the device's idle time "
+                                         "under a part that launches one is larger than in the timed run: "
+                                         "its launches' own host time is above" if e.get("graph_replays") else "")
+                  + "):", "", _phase_table(e),
                   "Kernels, by device time:", "", _table(e["kernels"], "kernel"),
                   "CUDA runtime / driver calls:", "", _table(e["runtime_calls"], "call"),
                   "Host: PyTorch ops by self CPU time:", "", _table(e["host_ops"], "op")]
