@@ -51,8 +51,9 @@ all decodes runs its verify forward as one graph of B sequences x (γ + 1) rows 
 kind "verify": a sequence with k < γ drafts leaves padding rows), any other step (prefill
 chunks, beside decodes and their drafts) as one graph of ragged rows (kind "mixed-hidden", up to
 the largest row bucket: eager, a 256-token prompt's step took 56 ms of host launches on an H200),
-and propose() runs the MTP steps as `DraftGraphs` whenever no sequence computed more than γ + 1
-positions. The acceptance
+and propose() runs the MTP steps as `DraftGraphs` (after a chunk of more than γ + 1 positions, a
+prompt's, its MTP KV eagerly first, then the graphs from each sequence's last position). The
+acceptance
 (verify()) stays eager: it is a handful of kernels ending in the step's host sync anyway.
 
 Drafts before the sync. With KVShare after a graphed verify, nothing in the next drafts waits for
@@ -574,19 +575,27 @@ class SpecDecoder:
         graphs = self._draft_graphs()
         if graphs is not None and graphs.run(members, target, rows, plan):
             return
+        # A chunk past γ + 1 positions (a prompt's): with graphs, the eager pass below writes the MTP KV
+        # alone, and the drafts come from graphs over each member's last position (its step 1 there
+        # again, writing the same KV): an eager draft loop is hundreds of launches a step.
+        ends = list(itertools.accumulate(n for _, _, n in members))
+        lasts = [(seq, start + n - 1, 1) for seq, start, n in members]
+        graphed = graphs is not None and bool(plan.seqs) and graphs.buckets(lasts, plan) is not None
         batch = PagedBatch.build([s.block_table for s, _, _ in members], [start for _, start, _ in members],
                                  [n for _, _, n in members], device)
         next_tokens = [t for seq, start, n in members for t in seq.token_ids[start + 1 : start + n + 1]]
         # each drafting sequence continues from its last computed position (its chunk's last row)
-        ends = list(itertools.accumulate(n for _, _, n in members))
-        last_host = [ends[m] - 1 for m in plan.members]
+        last_host = [] if graphed else [ends[m] - 1 for m in plan.members]
         computed, next_ids, last = to_device_packed(  # one copy
             [np.array(v, dtype=np.int64) for v in (rows, next_tokens, last_host)], device)
         # Every computed position's MTP KV; the rest of step 1 (its indexer over the whole context,
         # attention, MLP) only where a draft starts: a long prefill's other rows would discard it.
         step1, topk = mtp_forward(runner, target.hidden.index_select(0, computed), next_ids, batch, batch.positions,
                                   rows=batch.output_rows(last_host, last))
-        if plan.seqs:
+        if graphed:
+            ran = graphs.run(lasts, target, [rows[e - 1] for e in ends], plan)
+            assert ran, "run() fits the buckets checked above"
+        elif plan.seqs:
             self._draft(plan, step1, topk)
 
     def _plan(self, members: list[tuple[Seq, int, int]], num_drafts: Mapping[int, int],
@@ -769,10 +778,7 @@ class DraftGraphs:
         steps = [0] * len(members)
         for m, k in zip(plan.members, plan.steps):
             steps[m] = k
-        max_keys = max(pos0) + 1
-        if not self.kv_share:  # baseline step j + 1 reads keys up to pos0 + j
-            max_keys = max(max_keys, max(p + k for p, k in zip(pos0, steps)))
-        buckets = self.graphs.bucket(len(members), max_keys)
+        buckets = self.buckets(members, plan)
         if buckets is None:
             return False
         bs, keys = buckets
@@ -852,6 +858,15 @@ class DraftGraphs:
                 self.tokens[rows, step] = tokens[:, step] if idx is None else tokens[idx, step]
         self.spec._keep(plan, tokens, probs)
         return True
+
+    def buckets(self, members: list[tuple[Seq, int, int]], plan: _DraftPlan) -> tuple[int, int] | None:
+        """(batch bucket, key bucket) of run()'s graphs for these members and plan, None if past
+        the largest."""
+        pos0 = [start + n - 1 for _, start, n in members]
+        max_keys = max(pos0) + 1
+        if not self.kv_share:  # baseline step j + 1 reads keys up to pos0 + j
+            max_keys = max(max_keys, max(pos0[m] + k for m, k in zip(plan.members, plan.steps)) if plan.seqs else 0)
+        return self.graphs.bucket(len(members), max_keys)
 
     @staticmethod
     def _loop_key(plan: _DraftPlan) -> str | tuple:
