@@ -570,12 +570,14 @@ class StepGraphs:
                                               stable_rows)
         return self._batches[name]
 
-    def output(self, name: str, rows: int, width: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The first `rows` (<= max_num_seqs) rows of the static [max_num_seqs, width] buffer `name`
-        that graphs write an output into, shared by all of them: outputs returned from a capture
-        would each stay allocated in the pool (a [batch, V] fp32 of logits per graph)."""
+    def output(self, name: str, rows: int, width: int, dtype: torch.dtype = torch.float32,
+               capacity: int | None = None) -> torch.Tensor:
+        """The first `rows` (<= capacity, default max_num_seqs) rows of the static [capacity, width]
+        buffer `name` that graphs write an output into, shared by all of them: outputs returned from a
+        capture would each stay allocated in the pool (a [batch, V] fp32 of logits per graph)."""
         if name not in self._outputs:
-            self._outputs[name] = torch.zeros(self.max_num_seqs, width, dtype=dtype, device=self.runner.device)
+            self._outputs[name] = torch.zeros(capacity or self.max_num_seqs, width, dtype=dtype,
+                                              device=self.runner.device)
         return self._outputs[name][:rows]
 
     def hidden_rows(self, q: int) -> torch.Tensor:
@@ -634,7 +636,7 @@ class StepGraphs:
         keys = next((k for k in self.key_buckets if k >= max(s + len(ids) for s, ids in zip(starts, token_ids))), None)
         if rows is None or keys is None or len(tables) > self.max_num_seqs or rows * keys * 4 > self.MIXED_LOGITS_BYTES:
             return None
-        batch = self.static_batch("mixed", 1, self.row_buckets[-1], stable_rows=True)
+        batch = self._mixed_batch()
         kind = "mixed-hidden" if hidden else "mixed"
         graph = self.captured((kind, rows, keys), lambda: self._mixed(batch, rows, keys, hidden), batch.clear)
         batch.fill_ragged(tables, starts, token_ids, rows, samples, device_tokens)
@@ -643,17 +645,18 @@ class StepGraphs:
 
     def mixed_input_ids(self, n: int) -> torch.Tensor:
         """The last mixed step's first n input tokens [n] int64 (device tokens in place)."""
-        return self._batches["mixed"].input_ids[:n]
+        return self._mixed_batch().input_ids[:n]
+
+    def _mixed_batch(self) -> StaticBatch:
+        """The mixed steps' static inputs: ragged rows up to the largest row bucket."""
+        return self.static_batch("mixed", 1, self.row_buckets[-1], stable_rows=True)
 
     def _mixed(self, batch: StaticBatch, rows: int, max_keys: int, hidden: bool) -> Callable[[], torch.Tensor]:
         model, cfg = self.runner.model, self.runner.cfg
         paged = batch.view(self.max_num_seqs, max_keys, rows)
         layers = self.runner.layer_caches(paged)
-        if hidden:  # every row's, in a buffer of the largest row bucket shared by these graphs
-            if "hidden-ragged" not in self._outputs:
-                self._outputs["hidden-ragged"] = torch.zeros(self.row_buckets[-1], cfg.hidden_size, dtype=model.dtype,
-                                                             device=self.runner.device)
-            out = self._outputs["hidden-ragged"][:rows]
+        if hidden:  # every row's, in a buffer of the largest row bucket
+            out = self.output("hidden-ragged", rows, cfg.hidden_size, model.dtype, capacity=self.row_buckets[-1])
         else:
             out = self.output("logits", self.max_num_seqs, cfg.vocab_size)
 

@@ -518,9 +518,9 @@ class SpecDecoder:
         (plan, tokens, probs), self._held = self._held, None
         for seq in plan.seqs:
             self.forget(seq.seq_id)
-        kept = [(b, seq, min(num_drafts.get(seq.seq_id, 0), self.config.num_speculative_tokens))
-                for b, seq in enumerate(plan.seqs) if seq.status is SequenceStatus.RUNNING]
-        kept = [(b, seq, k) for b, seq, k in kept if k > 0]
+        gamma = self.config.num_speculative_tokens
+        kept = [(b, seq, k) for b, seq in enumerate(plan.seqs)
+                if seq.status is SequenceStatus.RUNNING and (k := min(num_drafts.get(seq.seq_id, 0), gamma)) > 0]
         if not kept:
             return
         if len(kept) < len(plan.seqs):
