@@ -131,11 +131,17 @@ def test_default_target_and_no_op_when_already_sparse():
     again = indexshare_search(micro_model(index_topk_pattern="FSFS"), sequences, num_full=2, progress=False)
     assert again.rounds == [] and again.pattern == "FSFS" and "not more than the target 2" in again.stop_reason
     assert again.uniform_loss is None  # FFFS needs layer 1's indexer, which FSFS has not
-    mine = indexshare_search(model, sequences, num_full=2, progress=False, compare="FSFS")
-    assert mine.uniform_pattern == "FSFS"
-    assert mine.uniform_loss == pytest.approx(independent_loss(model, "FSFS", sequences), abs=SAME_COMPUTATION_ATOL)
+    mine = indexshare_search(model, sequences, num_full=2, progress=False, compare=["FSFS", "FFSS"])
+    assert mine.uniform_pattern == uniform_pattern(4) and mine.uniform_loss == result.uniform_loss
+    assert list(mine.compared) == ["FSFS", "FFSS"]
+    for pattern, loss in mine.compared.items():
+        assert loss == pytest.approx(independent_loss(model, pattern, sequences), abs=SAME_COMPUTATION_ATOL)
+    assert "| compared | - | 2 |" in mine.table() and "`FFSS`" in mine.table()
+    sparse = indexshare_search(micro_model(index_topk_pattern="FSFS"), sequences, num_full=2, progress=False,
+                               compare=["FFSS"])
+    assert sparse.compared == {"FFSS": None}  # layer 1 has no indexer there
     with pytest.raises(ValueError, match="compare"):
-        indexshare_search(model, sequences, progress=False, compare="SFSF")
+        indexshare_search(model, sequences, progress=False, compare=["SFSF"])
 
 
 def test_loss_budget_stops_before_the_first_flip_over_budget():

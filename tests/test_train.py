@@ -536,6 +536,26 @@ def test_indexshare_conversion_keeps_the_full_layers_indexers_and_drops_the_othe
         adapt_model(shared, every.cfg)
 
 
+def test_a_warmup_gives_the_layers_that_turn_full_new_indexers():
+    """An indexer in every layer of an IndexShare model (`--attention dsa --init`): the layers that
+    turn full get seeded new indexers, every other tensor is the model's."""
+    recipe = smoke_recipe()
+    shared = adapt_model(build_model(stage_model_config(recipe, stage_index("dense")), seed=0),
+                         stage_model_config(recipe, stage_index("warmup")))
+    every_cfg = shared.cfg.replace(index_topk_pattern="F" * shared.cfg.num_hidden_layers)
+    every = adapt_model(shared, every_cfg, fresh_indexers=True, seed=3)
+    assert all(layer.self_attn.indexer is not None for layer in every.model.layers)
+    kept = shared.state_dict()
+    new = [name for name in every.state_dict() if name not in kept]
+    assert new and all(".layers.1." in name or ".layers.3." in name for name in new)
+    for name, t in every.state_dict().items():
+        if name in kept:
+            assert torch.equal(t, kept[name]), name
+        elif t.dim() == 2:  # a projection: random, and the seed's
+            assert t.std() > 0.01
+            assert torch.equal(t, adapt_model(shared, every_cfg, fresh_indexers=True, seed=3).state_dict()[name])
+
+
 def test_the_yarn_stage_stretches_the_rotary_positions_from_there_on():
     recipe = smoke_recipe()  # extend: rows of 96 after 48, yarn on
     assert stage_model_config(recipe, stage_index("sparse")).rope_parameters["rope_type"] == "default"

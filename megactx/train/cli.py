@@ -8,6 +8,10 @@
     megactx train --recipe tiny --out runs/more --stages extend --init models/megactx-tiny  # more steps
     megactx train --recipe tiny --out runs/y64 --stages extend,indexers --init models/megactx-tiny \
         --yarn-factor 64                                   # its 64K rows trained at 256K positions
+    megactx train --recipe tiny --out runs/dsa16 --stages warmup --attention dsa --init models/megactx-tiny \
+        --hf-overrides "{\"rope_parameters\": $(jq -c .rope_parameters models/megactx-tiny/config.json)}"
+                 # an indexer in every layer of a trained IndexShare model (new ones for its shared layers,
+                 # the backbone frozen), e.g. for `megactx indexshare-search` from every layer
     torchrun --nproc-per-node 2 -m megactx train --recipe tiny --out runs/tiny   # data parallel
 
 Every stage resumes its own checkpoint and starts from the previous stage's, so a run cut by
@@ -60,7 +64,8 @@ def add_train_parser(subparsers: Any) -> None:
                    help="architecture from the warmup stage on: the recipe's IndexShare pattern (default), an "
                         "indexer in every layer (dsa), or dense attention; the last two are ablations whose "
                         "stage directories carry the name (warmup-dsa, sparse-dsa, sparse-dense; the dense "
-                        "ablation has no warmup)")
+                        "ablation has no warmup); with --init, the warmup stage gives the layers that turn full "
+                        "new indexers")
     p.add_argument("--mtp-loss", choices=("ce", "tv", "ce+tv"), default=None, help="MTP objective (default: ce)")
     p.add_argument("--mtp-share", action=argparse.BooleanOptionalAction, default=None,
                    help="IndexShare + KVShare across MTP steps (default: on)")

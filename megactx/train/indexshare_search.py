@@ -25,7 +25,7 @@ import argparse
 import json
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -165,6 +165,7 @@ class SearchResult:
     num_full: int  # the target
     loss_budget: float | None
     rounds: list[SearchRound] = field(default_factory=list)
+    compared: dict[str, float | None] = field(default_factory=dict)  # hand-made pattern -> its loss (as uniform_loss)
     stop_reason: str = ""
 
     @property
@@ -183,7 +184,7 @@ class SearchResult:
         return d
 
     def table(self) -> str:
-        """Markdown: one row a round (start, each flip), then the uniform pattern; then what the
+        """Markdown: one row a round (start, each flip), then the uniform pattern and the compared ones; then what the
         first round measured: the cost of sharing each layer alone (the layers the model cannot
         spare show here, whatever the greedy order)."""
         lines = ["| round | flipped | full layers | loss | Δ vs start | pattern |", "|---|---|---|---|---|---|"]
@@ -197,6 +198,7 @@ class SearchResult:
         for k, r in enumerate(self.rounds, 1):
             lines.append(row(str(k), str(r.flipped), r.pattern, r.loss))
         lines.append(row("uniform", "-", self.uniform_pattern, self.uniform_loss))
+        lines += [row("compared", "-", pattern, loss) for pattern, loss in self.compared.items()]
         lines.append(f"\nstopped: {self.stop_reason}\n")
         if self.rounds:
             first = self.rounds[0].candidates
@@ -213,15 +215,15 @@ def default_num_full(num_layers: int) -> int:
 
 def indexshare_search(model: Transformer, sequences: torch.Tensor | Calibration, num_full: int | None = None,
                       loss_budget: float | None = None, batch_size: int = 1, progress: bool = True,
-                      log: Callable[[str], object] = lambda s: None, compare: str | None = None) -> SearchResult:
+                      log: Callable[[str], object] = lambda s: None, compare: Sequence[str] = ()) -> SearchResult:
     """Greedy training-free IndexShare search on `model` (its cfg is restored on return).
 
     sequences: [N, S + 1] int64 calibration tokens, or a Calibration (code and retrieval tasks);
     S should exceed cfg.index_topk, else every pattern selects every key and all losses tie.
     num_full: stop at this many full layers (default `default_num_full`). loss_budget: stop
     before a flip whose loss exceeds the starting loss by more than this many nats a token (None:
-    no budget). compare: the hand-made pattern whose loss
-    the report shows beside the search's (default: GLM-5.2's uniform rule for this depth)."""
+    no budget). The report shows the loss of GLM-5.2's uniform rule for this depth beside the
+    search's, and that of each hand-made pattern in `compare` (e.g. a plain 1-in-4, the shipped one)."""
     cfg = model.cfg
     n = cfg.num_hidden_layers
     start = pattern_of(cfg)
@@ -240,13 +242,19 @@ def indexshare_search(model: Transformer, sequences: torch.Tensor | Calibration,
         return calibration.loss(model, batch_size)
 
     try:
-        if compare is not None and (len(compare) != n or set(compare) - {FULL, SHARED} or compare[0] != FULL):
-            raise ValueError(f"compare: the pattern to compare with must be {n} letters of {FULL}/{SHARED} "
-                             f"starting with {FULL}, got {compare!r}")
-        result = SearchResult(start, loss_of(start), compare or uniform_pattern(n), None, num_full, loss_budget)
-        uniform = result.uniform_pattern
-        if all(model.model.layers[i].self_attn.indexer is not None for i, c in enumerate(uniform) if c == FULL):
-            result.uniform_loss = loss_of(uniform)
+        for pattern in compare:
+            if len(pattern) != n or set(pattern) - {FULL, SHARED} or pattern[0] != FULL:
+                raise ValueError(f"compare: a pattern to compare with must be {n} letters of {FULL}/{SHARED} "
+                                 f"starting with {FULL}, got {pattern!r}")
+
+        def loss_if_possible(pattern: str) -> float | None:  # None: a full layer of it has no indexer here
+            layers = model.model.layers
+            return loss_of(pattern) if all(layers[i].self_attn.indexer is not None
+                                           for i, c in enumerate(pattern) if c == FULL) else None
+
+        result = SearchResult(start, loss_of(start), uniform_pattern(n), None, num_full, loss_budget)
+        result.uniform_loss = loss_if_possible(result.uniform_pattern)
+        result.compared = {pattern: loss_if_possible(pattern) for pattern in compare}
         pattern = start
         trials = sum(max(pattern.count(FULL) - 1 - k, 0) for k in range(max(pattern.count(FULL) - num_full, 0)))
         with tqdm(total=trials, desc="indexshare search", unit="trial", disable=not progress) as bar:
@@ -326,8 +334,9 @@ def add_indexshare_search_parser(subparsers: Any) -> None:
                    help="output directory: the checkpoint with the found pattern, and the search report")
     p.add_argument("--num-full", type=int, default=None,
                    help="stop at this many full layers (default: GLM-5.2's 1-in-4 rule, e.g. 21 of 78)")
-    p.add_argument("--compare", default=None, metavar="PATTERN",
-                   help="hand-made pattern to compare with, e.g. FSSSFSSS (default: GLM-5.2's uniform rule)")
+    p.add_argument("--compare", default="", metavar="PATTERN[,PATTERN...]",
+                   help="hand-made patterns whose loss the report shows beside the search's and GLM-5.2's "
+                        "uniform rule's, e.g. FSSSFSSS")
     p.add_argument("--loss-budget", type=float, default=None,
                    help="stop before a flip that raises the loss more than this many nats above the start")
     p.add_argument("--data-dir", type=Path, default=None,
@@ -406,7 +415,7 @@ def run_indexshare_search(args: argparse.Namespace) -> int:
               file=sys.stderr)
         result = indexshare_search(model, calibration, args.num_full, args.loss_budget, args.batch_size,
                                    progress=not args.no_progress, log=lambda s: tqdm.write(s, file=sys.stderr),
-                                   compare=args.compare)
+                                   compare=[p for p in args.compare.split(",") if p])
         write_checkpoint(model, result.pattern, args.out, args.model)
     except (ValueError, FileNotFoundError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)

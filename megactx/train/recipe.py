@@ -56,7 +56,7 @@ from pathlib import Path
 import torch
 
 from megactx.config import ModelConfig
-from megactx.model import build_model, load_model, save_pretrained
+from megactx.model import build_model, init_weights, load_model, save_pretrained
 from megactx.model.transformer import Transformer
 from megactx.train.losses import DEFAULT_CHUNK_BYTES, LossConfig, Objective
 from megactx.train.needles import STANDARD_TASKS, NeedleDataset
@@ -312,9 +312,12 @@ def set_trainable(model: Transformer, kind: str) -> None:
         p.requires_grad_(trains and not name.endswith("e_score_correction_bias"))
 
 
-def adapt_model(model: Transformer, cfg: ModelConfig) -> Transformer:
+def adapt_model(model: Transformer, cfg: ModelConfig, fresh_indexers: bool = False, seed: int = 0) -> Transformer:
     """`model`'s weights in architecture `cfg`: the same tensors, minus the indexers of layers that
-    `cfg` makes shared (the IndexShare conversion). Any other difference in tensors is refused."""
+    `cfg` makes shared (the IndexShare conversion). fresh_indexers: a layer that `cfg` makes full
+    gets a new indexer (seeded random init), for a stage that trains indexers from scratch (warmup:
+    an indexer in every layer of an IndexShare model, `--attention dsa --init`). Any other
+    difference in tensors is refused."""
     if model.cfg.to_dict() == cfg.to_dict():
         return model
     with torch.device("meta"):
@@ -324,14 +327,17 @@ def adapt_model(model: Transformer, cfg: ModelConfig) -> Transformer:
     wanted = new.state_dict()
     missing = sorted(set(wanted) - set(old))
     dropped = sorted(set(old) - set(wanted))
-    if missing or any(".indexer." not in name for name in dropped):
+    if ((missing and not (fresh_indexers and all(".indexer." in name for name in missing)))
+            or any(".indexer." not in name for name in dropped)):
         raise ValueError(f"cannot convert {model.cfg.indexer_types} to {cfg.indexer_types}: missing {missing[:4]}, "
                          f"unexpected {[n for n in dropped if '.indexer.' not in n][:4]} (a layer that turns full "
-                         "has no trained indexer to keep)")
-    bad = [name for name in wanted if old[name].shape != wanted[name].shape]
+                         "has no trained indexer to keep; only the warmup stage gives it a new one)")
+    bad = [name for name in wanted if name in old and old[name].shape != wanted[name].shape]
     if bad:
         raise ValueError(f"cannot convert: shapes differ for {bad[:4]}")
-    new.load_state_dict({name: old[name] for name in wanted})
+    if missing:
+        init_weights(new, seed=seed)  # the new indexers' init; every other tensor is loaded over it
+    new.load_state_dict({name: old[name] for name in wanted if name in old}, strict=not missing)
     return new
 
 
@@ -542,8 +548,9 @@ def stage_model(recipe: Recipe, index: int, out_dir: Path, init: Path | None = N
     else:
         wants = [cfg] if prev is None else [cfg, stage_model_config(recipe, prev)]
         init_matches(ModelConfig.from_pretrained(init), wants, init, recipe.stage_name(index))
-    model = adapt_model(load_model(init, dtype=torch.float32), cfg)
-    if recipe.stages[index].kind == "mtp_warmup":
+    kind = recipe.stages[index].kind
+    model = adapt_model(load_model(init, dtype=torch.float32), cfg, fresh_indexers=kind == "warmup", seed=recipe.seed)
+    if kind == "mtp_warmup":
         seeded_mtp_layer(recipe, model)
     return model
 
@@ -566,7 +573,8 @@ def init_matches(have: ModelConfig, wants: list[ModelConfig], init: Path, stage:
                      for k in INIT_MUST_MATCH if getattr(have, k) != getattr(wants[0], k))
     raise ValueError(f"--init {init} does not match stage {stage} ({diff}) nor the stage before it, nor does this "
                      "stage stretch its YaRN positions further; give the recipe options the model was trained with "
-                     "(--context, --topk, --yarn-factor)")
+                     "(--context, --topk, --yarn-factor), or for a stage before the YaRN ones (warmup, sparse) the "
+                     "model's positions as --hf-overrides '{\"rope_parameters\": ...}' (its config.json's)")
 
 
 def further_stretch(have: dict, want: dict) -> bool:
