@@ -66,7 +66,7 @@ from benchmarks.common import (
     sync_device,
     write_suite_reports,
 )
-from megactx.engine.steplog import PHASE_PREFIX, recording_phases
+from megactx.engine.steplog import DEVICE_WAIT, PHASE_PREFIX, recording_phases, timing_phases
 
 HELP = "where engine steps spend their time (torch.profiler): kernels, launches, host ops"
 RESULTS_DIR = Path(__file__).parent / "results"
@@ -250,7 +250,7 @@ def profile_engine(llm, prompts: list[list[int]], params: list, device: torch.de
     warm = _steps(log, 0)
     seen = len(warm)
     sync_device(device)
-    with timed_replays(getattr(llm.runner, "graphs", None)) as replays:
+    with timed_replays(getattr(llm.runner, "graphs", None)) as replays, timing_phases() as parts:
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         sync_device(device)
@@ -275,6 +275,8 @@ def profile_engine(llm, prompts: list[list[int]], params: list, device: torch.de
             **timed_steps(warm, timed, wall),
             "graph_replays": [{"kind": kind, "replays_per_step": n / max(len(timed), 1), "host_us_per_replay": us / n}
                               for kind, (n, us) in replays.items() if n],
+            "host_parts": [{"name": name, "calls_per_step": n / max(len(timed), 1),
+                            "us_per_step": 1e6 * s / max(len(timed), 1)} for name, (n, s) in parts.items()],
             "output_tokens": sum(len(o.token_ids) for o in outs),
             "mean_acceptance_length": 1 + accepted / verifies if verifies else None,
             "profiled_steps": len(profiled), **breakdown(prof.events(), steps, top)}
@@ -350,10 +352,21 @@ def _timed_lines(e: dict[str, Any]) -> list[str]:
                      + (", a prefill" if r.get("prefill") else "") + (f", {r['captured']} graph(s) captured"
                                                                       if r.get("captured") else "") + ")"
                      for r in e["slowest_steps"])
+    parts = []
+    if e.get("host_parts"):
+        rows = e["host_parts"]
+        waits = sum(r["us_per_step"] for r in rows if r["name"] == DEVICE_WAIT)
+        busy = sum(r["us_per_step"] for r in rows) - 2 * waits  # the waits are inside the parts
+        parts = [f"Parts of a step in the timed run (host time, no profiler; `{DEVICE_WAIT}` is the host "
+                 f"waiting for the device's tokens, inside its part): the host works {fmt_num(busy)} µs a step "
+                 f"and waits {fmt_num(waits)}.", "",
+                 md_table(["part", "calls a step", "µs a step"],
+                          [[f"`{r['name']}`", fmt_num(r["calls_per_step"]), fmt_num(r["us_per_step"])] for r in rows]),
+                 ""]
     return [f"Timed run: its {e['steps']} steps took {fmt_num(e['steps_ms'])} ms of its "
             f"{fmt_num(1e3 * e['wall_s'])} ms wall ({fmt_num(e['outside_steps_ms'])} ms outside steps: "
             f"`generate()`'s own work); {e['graphs_captured']} CUDA graph(s) captured during it. "
-            f"Slowest steps: {slow}.", ""] + launches
+            f"Slowest steps: {slow}.", ""] + parts + launches
 
 
 def render_markdown(results: dict[str, Any]) -> str:

@@ -13,6 +13,7 @@ import pytest
 
 from benchmarks.profile import breakdown
 from megactx.cli import main
+from megactx.engine.steplog import DEVICE_WAIT
 from megactx.testing import make_random_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -142,7 +143,17 @@ def test_profile_runs_the_engines_and_writes_the_reports(ckpt, tmp_path, capsys)
         assert len(slow) == 5 and [r["ms"] for r in slow] == sorted((r["ms"] for r in slow), reverse=True)
         assert slow[0]["ms"] <= e["steps_ms"] and all(0 <= r["step"] < e["steps"] for r in slow)
         assert e["graph_replays"] == []  # no CUDA graphs on a CPU
+        # the timed run's parts, timed on the host without a profiler: every part once a step, and the
+        # host's waits for the device's tokens inside them (on a CPU: copies of finished tensors)
+        parts = {r["name"]: r for r in e["host_parts"]}
+        assert set(parts) == {p["name"] for p in e["phases"]} | {DEVICE_WAIT}
+        assert parts["forward"]["calls_per_step"] == 1.0 and parts[DEVICE_WAIT]["calls_per_step"] >= 1.0
+        inside = "verify" if e["gamma"] else "emit"
+        assert parts[DEVICE_WAIT]["us_per_step"] < parts[inside]["us_per_step"]
+        in_parts = sum(r["us_per_step"] for r in e["host_parts"] if r["name"] != DEVICE_WAIT)
+        assert in_parts <= 1e3 * e["steps_ms"] / e["steps"]
     md = (tmp_path / "profile-cpu.md").read_text()
+    assert "the host works " in md and f"| `{DEVICE_WAIT}` |" in md
     assert "## γ = 2" in md and "`aten::mm`" in md and "Slowest steps: step " in md
     assert (tmp_path / "profile-cpu.png").is_file()
     assert results["ceilings"] is None  # a CPU run measures none; a GPU's are shown beside its kernels:

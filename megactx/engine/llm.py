@@ -57,7 +57,7 @@ from megactx.engine.sampling_params import SamplingParams
 from megactx.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from megactx.engine.sequence import Sequence as Seq
 from megactx.engine.spec_decode import DRAFT_ACCEPTANCE, MTP_MODES, SpecConfig, SpecDecoder, SpecDecodeStats
-from megactx.engine.steplog import StepLog, phase
+from megactx.engine.steplog import StepLog, device_wait, phase
 from megactx.engine.tokenizer import CompletionText, Tokenizer
 from megactx.kernels.reference import BLOCK_SIZE
 from megactx.model.paged import HostCopy, cache_bytes_per_token, resolve_cache_dtype
@@ -520,7 +520,8 @@ class LLM:
         if pending is None:
             return []
         waiting = time.perf_counter()
-        tokens, logprobs, top_lps, top_ids = pending.fetch()
+        with device_wait():
+            tokens, logprobs, top_lps, top_ids = pending.fetch()
         now = time.perf_counter()
         self._device_wait_s += now - waiting
         deltas = []

@@ -98,6 +98,7 @@ from megactx.engine.sampling_params import SamplingParams
 from megactx.engine.scheduler import ScheduledSeq
 from megactx.engine.sequence import Sequence as Seq
 from megactx.engine.sequence import SequenceStatus
+from megactx.engine.steplog import device_wait
 from megactx.kernels.reference import BLOCK_SIZE
 from megactx.model.paged import (
     HostCopy,
@@ -425,7 +426,8 @@ class SpecDecoder:
         # first, so that a graphed step's drafts follow the verify on the device while the host waits
         copy = HostCopy(result.tokens)
         self._draft_early(scheduled, target, result, generators)
-        tokens = copy.lists()[0]
+        with device_wait():
+            tokens = copy.lists()[0]
         accepted = [row.index(PAD_ID) - 1 if PAD_ID in row else width for row in tokens]
 
         logprobs = None

@@ -35,19 +35,57 @@ from megactx.analysis.flops import context_label
 
 FLUSH_S = 0.5
 PHASE_PREFIX = "megactx::"
+DEVICE_WAIT = "(device wait)"  # timing_phases' row of the host's waits for the device, inside the parts
 _recording_phases = False
+_timing: dict[str, list[float]] | None = None  # while timing_phases() is on: name -> [calls, seconds]
 _NO_RANGE = contextlib.nullcontext()  # reusable: what `phase` gives outside a profile
+
+
+class _Timer:
+    """Adds the host time spent inside it to a timing_phases() row [calls, seconds]."""
+
+    __slots__ = ("row", "start")
+
+    def __init__(self, row: list[float]):
+        self.row = row
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        self.row[0] += 1
+        self.row[1] += time.perf_counter() - self.start
 
 
 def phase(name: str) -> contextlib.AbstractContextManager:
     """A part of an engine step (schedule, forward, verify, ...): a torch.profiler range named
-    megactx::<name> while `recording_phases()` is on, else nothing (so that a step outside a
-    profile pays for no range)."""
+    megactx::<name> while `recording_phases()` is on, its host time while `timing_phases()` is on,
+    else nothing (so that a step outside a profile pays for no range)."""
+    if _timing is not None:
+        return _Timer(_timing.setdefault(name, [0, 0.0]))
     if not _recording_phases:
         return _NO_RANGE
     import torch
 
     return torch.profiler.record_function(PHASE_PREFIX + name)
+
+
+def device_wait() -> contextlib.AbstractContextManager:
+    """The host waiting for the device (a step's host sync), inside a part: timed as DEVICE_WAIT
+    while `timing_phases()` is on, else nothing (no profiler range: the parts do not nest)."""
+    return _NO_RANGE if _timing is None else _Timer(_timing.setdefault(DEVICE_WAIT, [0, 0.0]))
+
+
+@contextlib.contextmanager
+def timing_phases():
+    """Within it, the host time of the engine's step parts (`phase`) and of its waits for the
+    device (`device_wait`), without a profiler: yields the dict it fills, name -> [calls, seconds]."""
+    global _timing
+    previous, _timing = _timing, {}
+    try:
+        yield _timing
+    finally:
+        _timing = previous
 
 
 @contextlib.contextmanager
