@@ -283,7 +283,7 @@ def profile_engine(llm, prompts: list[list[int]], params: list, device: torch.de
 
 
 def run_profiles(model_dir: Path, w: Workload, gammas: list[int], device: str, top: int, trace_dir: Path | None,
-                 engine_args: dict[str, Any], progress: Progress) -> dict[str, Any]:
+                 engine_args: dict[str, Any], progress: Progress, overlap: bool = False) -> dict[str, Any]:
     from megactx import LLM, SamplingParams
     from megactx.config import ModelConfig
 
@@ -296,7 +296,8 @@ def run_profiles(model_dir: Path, w: Workload, gammas: list[int], device: str, t
     results: dict[str, Any] = {"schema": 1, "machine": machine_info(device), "model": shown,
                                "workload": w.describe() + ("" if engine_args.get("cuda_graphs", True) else
                                                            ", no CUDA graphs")
-                               + ("" if engine_args.get("fuse", True) else ", unfused (LLM(fuse=False))"),
+                               + ("" if engine_args.get("fuse", True) else ", unfused (LLM(fuse=False))")
+                               + (", speculative steps overlapped (LLM(async_scheduling=True))" if overlap else ""),
                                "prompts": source, "top": top, "engines": [], "prefix_caching": False,
                                "ceilings": measure_machine_ceilings(device)}  # what the kernels' times compare with
     dev = torch.device(device)
@@ -306,7 +307,8 @@ def run_profiles(model_dir: Path, w: Workload, gammas: list[int], device: str, t
             progress.log(f"engine γ = {gamma}: {w.describe()}")
             llm = LLM(model_dir, device=device, max_model_len=max(map(len, prompts)) + new_tokens + gamma + 1,
                       max_num_seqs=max(len(prompts), 1), num_speculative_tokens=gamma, seed=w.seed,
-                      warm_up=False, step_log=log, enable_prefix_caching=False, **engine_args)
+                      warm_up=False, step_log=log, enable_prefix_caching=False, **engine_args,
+                      **({"async_scheduling": True} if gamma and overlap else {}))
             trace = trace_dir / f"profile-trace-g{gamma}.json" if trace_dir else None
             figures = profile_engine(llm, prompts, params, dev, log, top, trace)
             results["engines"].append({"gamma": gamma, **figures} | ({"trace": str(trace)} if trace else {}))
@@ -452,6 +454,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run the engine's steps eagerly (each kernel launched by the host), e.g. to see what a "
                         "graph replay holds")
+    p.add_argument("--overlap", action="store_true",
+                   help="speculative engines overlap their steps (LLM(async_scheduling=True): a step of KVShare "
+                        "drafts launches the next verify before its host sync)")
     p.add_argument("--no-fuse", dest="fuse", action="store_false",
                    help="the engine without its fused GEMMs and routing kernel (LLM(fuse=False)): what they save")
     p.add_argument("--trace", action="store_true", help="also write a Chrome/Perfetto trace per engine into --out")
@@ -486,7 +491,7 @@ def run(args: argparse.Namespace) -> int:
         engine_args = {"max_num_batched_tokens": args.max_num_batched_tokens, "hf_overrides": args.hf_overrides,
                        "cuda_graphs": args.cuda_graphs, "fuse": args.fuse}
         results = run_profiles(path, w, args.num_speculative_tokens, device, args.top, out if args.trace else None,
-                               engine_args, progress)
+                               engine_args, progress, args.overlap)
     except (ValueError, OSError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2

@@ -175,6 +175,7 @@ class Settings:
     mtp_layers: str | None = None  # directory of MTP-layer files: run MTP_LAYER_RUNGS instead of RUNGS
     own_mtp_layer: str | None = None  # with mtp_layers: the stem whose rungs run the checkpoint's own MTP layer
     greedy: bool = True  # also time greedy decoding at batch TARGET_SPEEDUP_BATCH (no speculation, top rung)
+    overlap: bool = False  # speculative engines with LLM(async_scheduling=True): overlapped steps
 
     @property
     def rungs(self) -> tuple[Rung, ...]:
@@ -442,6 +443,8 @@ class SpecBench:
         num_blocks = max(self.s.batches) * (-(-self.max_model_len // BLOCK_SIZE) + 1)
         spec = dict(num_speculative_tokens=gamma, mtp_mode=rung.mtp_mode,
                     draft_acceptance=rung.draft_acceptance) if rung else {}
+        if rung and self.s.overlap:
+            spec["async_scheduling"] = True
         return LLM(self.model_for(rung), device=self.s.device, dtype=self.s.dtype, max_model_len=self.max_model_len,
                    max_num_seqs=max(self.s.batches), num_blocks=num_blocks, seed=self.s.seed,
                    warm_up=False, **spec)  # every measurement has an untimed run of its own shape first
@@ -612,7 +615,10 @@ def render_markdown(results: dict[str, Any], targets: list[dict[str, Any]]) -> s
                "no speculation at the same batch, on the same prompts (the median over the timed runs, each "
                "against a run of the no-speculation engine just before it: the host's speed drifts within a run)"
                + (" (every engine replays CUDA graphs for its decode, verify and draft steps)"
-                  if m["device"] == "cuda" else "") + ".\n")
+                  if m["device"] == "cuda" else "")
+               + (". The speculative engines overlap their steps (`LLM(async_scheduling=True)`: a step of "
+                  "KVShare drafts launches the next verify before its host sync)" if s.get("overlap") else "")
+               + ".\n")
 
     if results.get("ceilings"):
         out.append(ceilings_markdown(Ceilings.from_dict(results["ceilings"])) + "\n")
@@ -773,6 +779,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and of the sampling (default 0)")
     p.add_argument("--no-greedy", dest="greedy", action="store_false",
                    help="skip the greedy runs (temperature 0, batch 1: no speculation and the top rung at every γ)")
+    p.add_argument("--overlap", action="store_true",
+                   help="speculative engines overlap their steps (LLM(async_scheduling=True): a step of KVShare "
+                        "drafts launches the next verify before its host sync); default: as the engine defaults")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: 1 on a CPU, torch's own on a GPU)")
     p.add_argument("--from-json", type=Path, default=None, metavar="FILE",
@@ -789,7 +798,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                  "own_mtp_layer"):
         if getattr(args, name) is not None:
             setattr(s, name, getattr(args, name))
-    s.temperature, s.seed, s.greedy = args.temperature, args.seed, args.greedy
+    s.temperature, s.seed, s.greedy, s.overlap = args.temperature, args.seed, args.greedy, args.overlap
     if s.data_dir is not None and not Path(s.data_dir).is_dir():
         raise ValueError(f"--data-dir {s.data_dir} is not a directory; prepare one with python -m megactx.train.data")
     if s.mtp_layers is not None and not Path(s.mtp_layers).is_dir():

@@ -110,11 +110,16 @@ def test_greedy_equals_non_speculative_decoding(case, noise_drafter, good_drafte
     assert llm.block_manager.num_used_blocks == 0 and not llm.spec.drafts
 
 
-def test_stops_and_max_tokens_inside_an_accepted_run(good_drafter, tmp_path):
+@pytest.mark.parametrize("overlap", [False, True], ids=["", "overlapped"])
+def test_stops_and_max_tokens_inside_an_accepted_run(good_drafter, tmp_path, overlap):
+    """overlapped: graphed steps, each launching the next verify before its host sync; a stop ends a
+    sequence whose next verify was launched already (it is dropped, the step scheduled anew)."""
     from megactx.testing import train_tokenizer
 
     train_tokenizer(VOCAB).save(str(tmp_path / "tokenizer.json"))
-    llm = _spec(good_drafter, gamma=4, tokenizer=tmp_path)
+    llm = _spec(good_drafter, gamma=4, tokenizer=tmp_path, async_scheduling=overlap)
+    if overlap:
+        _graphed(llm)
     prompt = _prompts([8], seed=11)[0]  # token ids; outputs still come with text
     free_params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
     deltas = list(llm.stream(prompt, free_params))
@@ -149,6 +154,8 @@ def test_stops_and_max_tokens_inside_an_accepted_run(good_drafter, tmp_path):
                        use_tqdm=False)[0]
     assert cut.text == text[: text.index(stop)] and cut.outputs[0].finish_reason == "stop"
     assert llm.block_manager.num_used_blocks == 0
+    if overlap:
+        assert llm.spec.overlapped_steps > llm.spec.overlapped_discarded >= 1  # a stop ended a launched step
 
 
 # ------------------------------------------------------------------------------ the MTP layer's KV
@@ -366,9 +373,11 @@ def _graphed(llm: LLM) -> LLM:
     return llm
 
 
-def _same_state(eager: LLM, graphed: LLM) -> None:
+def _same_state(eager: LLM, graphed: LLM, ahead: bool = False) -> None:
     """Both engines hold the same drafts, and the same values in every slot of every cache: the
-    graphs' padding rows wrote nothing, and rejected positions hold what the eager step wrote."""
+    graphs' padding rows wrote nothing, and rejected positions hold what the eager step wrote.
+    ahead: `graphed` overlaps its steps (it wrote the next verify's target KV already): every
+    cache is compared where the running sequences computed, as the MTP layer's always is."""
     assert eager.spec.drafts.keys() == graphed.spec.drafts.keys()
     for seq_id, want in eager.spec.drafts.items():
         got = graphed.spec.drafts[seq_id]
@@ -378,7 +387,7 @@ def _same_state(eager: LLM, graphed: LLM) -> None:
             assert torch.allclose(got.probs, want.probs, atol=1e-5)
     mtp = graphed.runner.cfg.num_hidden_layers  # the MTP layer's cache: see below
     for layer, (want, got) in enumerate(zip(eager.runner.caches, graphed.runner.caches)):
-        if layer == mtp:
+        if layer == mtp or ahead:
             # drafts made before the verify's host sync write the MTP KV of every verified position,
             # the rejected ones too (the next step writes them again before anything reads them):
             # equal at every position the running sequences computed
@@ -392,7 +401,7 @@ def _same_state(eager: LLM, graphed: LLM) -> None:
 
 
 def _run_in_lockstep(eager: LLM, graphed: LLM, waves: list[list[tuple[list[int], int]]],
-                     temperature: float | str) -> list:
+                     temperature: float | str, ahead: bool = False) -> list:
     """Step both engines together, adding wave i of (prompt, max_tokens) requests after 3 i steps
     (every other one seeded; temperature "mixed": greedy, top-k + top-p and min-p requests in turn);
     after every step they emitted the same tokens and hold the same state. -> the graphed engine's
@@ -410,7 +419,7 @@ def _run_in_lockstep(eager: LLM, graphed: LLM, waves: list[list[tuple[list[int],
                 outputs.append(graphed.requests[str(len(outputs))].output)
         got = [(d.request_id, d.token_ids) for d in graphed.step()]
         assert got == [(d.request_id, d.token_ids) for d in eager.step()], f"step {step}"
-        _same_state(eager, graphed)
+        _same_state(eager, graphed, ahead)
         step += 1
     assert not graphed.has_unfinished()
     return outputs
@@ -463,6 +472,28 @@ def test_graphed_steps_equal_eager_steps(case, noise_drafter, good_drafter):
     # the device); the baseline's draft steps write at positions the host picks: after it
     early = graphed.spec._graphs.early_rounds
     assert early > 0 if mode == "kvshare" else early == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8, "mixed"])
+def test_overlapped_steps_equal_the_steps_they_overlap(good_drafter, temperature):
+    """async_scheduling with speculative decoding: each graphed step launches the next verify before
+    its host sync, where every sequence then stands known on the device alone (its accepted count).
+    Step by step it emits the tokens of the engine that does not overlap (greedy, sampled from seeded
+    and unseeded streams, truncated sampling), with the same drafts and the same KV at every computed
+    position; a launched verify that a new wave of requests finds is dropped, the step scheduled anew."""
+    first, second = _prompts([5, 40, 70], seed=7), _prompts([3, 50], seed=8)
+    waves = [[(first[0], 60), (first[1], 56), (first[2], 63)], [(second[0], 50), (second[1], 57)]]
+    setup = dict(num_speculative_tokens=GAMMA, max_num_seqs=4, num_blocks=32)
+    plain = _graphed(LLM(good_drafter, device="cpu", **setup))
+    overlapped = _graphed(LLM(good_drafter, device="cpu", async_scheduling=True, **setup))
+    _run_in_lockstep(plain, overlapped, waves, temperature, ahead=True)
+    assert overlapped.stats.spec_decode == plain.stats.spec_decode and plain.stats.spec_decode.num_drafts > 0
+    spec = overlapped.spec
+    # most steps: all but prefills, those while the second wave could join, and those near the ends
+    taken = spec.overlapped_steps - spec.overlapped_discarded
+    assert plain.spec.overlapped_steps == 0 and taken > overlapped.stats.steps / 2
+    assert spec.overlapped_discarded >= 1  # the second wave came while a verify was launched
+    assert overlapped.stats.steps == plain.stats.steps and overlapped.block_manager.num_used_blocks == 0
 
 
 def test_graphed_steps_equal_eager_steps_under_preemption(good_drafter):
@@ -645,6 +676,17 @@ def test_cuda_graphs_replay_the_eager_speculative_steps(random_checkpoint, gamma
     assert graphed.block_manager.num_used_blocks == 0
     early = graphed.spec._graphs.early_rounds  # KVShare drafts launched before the verify's host sync
     assert early > 0 if mode == "kvshare" else early == 0
+    # overlapped: each verify launched before the host sync of the step before (KVShare; the baseline's
+    # drafts wait for the host, so its steps are not overlapped)
+    overlapped = LLM(random_checkpoint, cuda_graphs=True, async_scheduling=True, **kwargs)
+    got = overlapped.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert overlapped.stats.spec_decode == eager.stats.spec_decode
+    taken = overlapped.spec.overlapped_steps - overlapped.spec.overlapped_discarded
+    if mode == "baseline":
+        assert overlapped.spec.overlapped_steps == 0
+    elif gamma == 3:  # (at γ = 7 these requests seldom leave room for two more verifies)
+        assert taken > 0
 
 
 @pytest.mark.gpu
@@ -669,5 +711,9 @@ def test_cuda_graphs_replay_sampled_drafts_in_one_graph(good_drafter, mode):
         loops = {k[3] for k in graphed.runner.graphs.graphs if k[0] == "draft"}
         assert ("sampled", False, False, False, False) in loops, loops
         assert (graphed.spec._graphs.early_rounds > 0) == (mode == "kvshare")
+        overlapped = LLM(cuda, cuda_graphs=True, async_scheduling=True, **kwargs)
+        got = overlapped.generate(prompts, params, use_tqdm=False)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert (overlapped.spec.overlapped_steps > overlapped.spec.overlapped_discarded) == (mode == "kvshare")
     finally:
         good_drafter.to("cpu")

@@ -41,6 +41,7 @@ import torch
 from megactx.engine.block_manager import BlockManager
 from megactx.engine.model_runner import CacheConfig, DeviceTokens, ModelRunner, plan_num_blocks
 from megactx.engine.outputs import CompletionOutput, Delta, EngineStats, RequestOutput, TokenLogprobs
+from megactx.engine.rejection_sampler import VerifyResult
 from megactx.engine.sampler import (
     EXPONENTIAL,
     UNIFORM,
@@ -54,9 +55,17 @@ from megactx.engine.sampler import (
     pad_token_ids,
 )
 from megactx.engine.sampling_params import SamplingParams
-from megactx.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from megactx.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from megactx.engine.sequence import Sequence as Seq
-from megactx.engine.spec_decode import DRAFT_ACCEPTANCE, MTP_MODES, SpecConfig, SpecDecoder, SpecDecodeStats
+from megactx.engine.sequence import SequenceStatus
+from megactx.engine.spec_decode import (
+    DRAFT_ACCEPTANCE,
+    MTP_MODES,
+    SpecConfig,
+    SpecDecoder,
+    SpecDecodeStats,
+    TargetPass,
+)
 from megactx.engine.steplog import StepLog, device_wait, phase
 from megactx.engine.tokenizer import CompletionText, Tokenizer
 from megactx.kernels.reference import BLOCK_SIZE
@@ -190,6 +199,11 @@ class LLM:
     stop checks; scheduling and filling in the next) with the device's work on the step in flight,
     which reads its input tokens from the device (default: on CUDA without speculative decoding).
     A sequence that a token ends (EOS, a stop string) then computes one token more, dropped.
+    With speculative decoding (off unless asked for): a step of graphed decodes with KVShare drafts
+    launches the next verify before its host sync, where each sequence will stand known on the
+    device alone (`SpecDecoder.launch_next`); the host emits and schedules while it runs. Outputs
+    are the same as without it; a step in which a sequence ends, or a waiting request could join, is
+    not overlapped.
 
     warm_up: before the first request, run the step shapes that serving meets (see `warm_up`), so
     that no request waits for a CUDA graph capture or a Triton compile (default: on CUDA).
@@ -283,9 +297,8 @@ class LLM:
         self._sampling = SamplingTensorsCache()
         self._pending: _Pending | None = None  # a step whose tokens are on their way to the host
         self.async_scheduling = (on_cuda and spec is None) if async_scheduling is None else async_scheduling
-        if self.async_scheduling and spec is not None:
-            raise ValueError("async_scheduling does not work with speculative decoding yet (its steps wait for "
-                             "their tokens); leave it unset")
+        # speculative decoding with async_scheduling: the next verify, launched before this step's host sync
+        self._overlapped: tuple[list[Seq], TargetPass] | None = None
         self.stats = EngineStats()
         self.spec: SpecDecoder | None = None
         if spec is not None:
@@ -544,7 +557,10 @@ class LLM:
         """One step of the speculative engine: schedule with the drafts held, target forward over
         known tokens and drafts, verify, record, MTP KV + next drafts, emit."""
         with phase("schedule"):
-            out = self._last_schedule = self.scheduler.schedule(spec.draft_lengths())
+            out, target = self._overlapped_step(spec)  # a verify launched in the step before, if it holds
+            if out is None:
+                out = self.scheduler.schedule(spec.draft_lengths())
+            self._last_schedule = out
         self.stats.preemptions += len(out.preempted)
         for seq in out.preempted:
             spec.forget(seq.seq_id)  # its KV is gone; it drafts again after its recompute
@@ -552,9 +568,11 @@ class LLM:
             return []
         self.stats.steps += 1
         with phase("forward"):
-            target = spec.forward(out.scheduled)
+            if target is None:
+                target = spec.forward(out.scheduled)
         with phase("verify"):  # its one host sync waits for the forward
-            emitted = spec.verify(out.scheduled, target, self._generators)
+            emitted = spec.verify(out.scheduled, target, self._generators,
+                                  before_sync=lambda result: self._launch_next(spec, out, result))
         self.scheduler.postprocess(out, {seq_id: e.tokens for seq_id, e in emitted.items()})
         wanted = {item.seq.seq_id: self.scheduler.max_draft_tokens(item.seq) for item in out.scheduled if item.samples}
         with phase("propose"):
@@ -577,6 +595,57 @@ class LLM:
                                 for token, (lp, top) in zip(e.tokens, e.logprobs)]
                 deltas.append(self._emit(request, index, seq, e.tokens, logprobs, now))
         return deltas
+
+    def _launch_next(self, spec: SpecDecoder, out: SchedulerOutput, result: VerifyResult) -> None:
+        """With async_scheduling, before this step's host sync: the next step's verify, where it
+        can be launched without the host (see `async_scheduling`): every sequence of this graphed
+        verify drafts γ and verifies them next whatever it accepts now (its limits leave room), no
+        waiting request could join the batch, and each one's blocks already cover, or get without
+        preempting, the next verify's positions."""
+        sched, bm = self.scheduler, self.block_manager
+        if not self.async_scheduling or self._may_admit():
+            return
+        gamma = spec.config.num_speculative_tokens
+        if len(out.scheduled) * (gamma + 1) > sched.config.max_num_batched_tokens:
+            return
+        worst = 2 * gamma + 2  # positions from this verify's first: its own, then the next's after all accepted
+        for item in out.scheduled:
+            seq = item.seq
+            # room for this step's γ + 1 tokens and the next step's γ drafts + 1 (max_draft_tokens then)
+            room = min(seq.sampling_params.max_tokens - seq.num_output_tokens,
+                       sched.config.max_model_len - seq.num_tokens) - 1
+            if item.num_draft_tokens != gamma or room < 2 * gamma + 1:
+                return
+        for item in out.scheduled:
+            if not bm.has_slots(item.seq, worst):
+                if not bm.can_append(item.seq, worst):
+                    return
+                bm.append_slots(item.seq, worst)
+        target = spec.launch_next(out.scheduled, result)
+        if target is not None:
+            self._overlapped = ([item.seq for item in out.scheduled], target)
+
+    def _may_admit(self) -> bool:
+        """Whether the next schedule() could admit a waiting request (the batch has room for one)."""
+        return bool(self.scheduler.num_waiting) and self.scheduler.num_running < self.scheduler.config.max_num_seqs
+
+    def _overlapped_step(self, spec: SpecDecoder) -> tuple[SchedulerOutput | None, TargetPass | None]:
+        """The step a verify launched before the last step's host sync computes (`_launch_next`),
+        and its forward, if it still holds: every sequence of it runs on with γ drafts held (none
+        ended, was aborted or preempted) and no waiting request could join. (None, None) otherwise: the step is
+        scheduled anew, and the KV that verify wrote past each sequence's computed positions is
+        written again."""
+        launched, self._overlapped = self._overlapped, None
+        if launched is None:
+            return None, None
+        seqs, target = launched
+        gamma, held = spec.config.num_speculative_tokens, spec.draft_lengths()
+        if self._may_admit() or any(seq.status is not SequenceStatus.RUNNING or held.get(seq.seq_id) != gamma
+                                             or seq.num_tokens - seq.num_computed_tokens != 1 for seq in seqs):
+            spec.overlapped_discarded += 1
+            return None, None
+        return SchedulerOutput([ScheduledSeq(seq, seq.num_tokens - 1, 1, gamma) for seq in seqs], [],
+                               len(seqs) * (gamma + 1)), target
 
     def _emit(self, request: _Request, index: int, seq: Seq, tokens: list[int], logprobs: list[TokenLogprobs] | None,
               now: float) -> Delta:

@@ -425,6 +425,19 @@ class StaticBatch:
         self._tables_in(tables)
         return self._write(m, ids, pos, slots, key_len, device_tokens, rows)
 
+    def shift(self, n: int, by: torch.Tensor) -> None:
+        """After a fill (q tokens each): move sequence b's rows (b < n) by[b] positions on, on the
+        device, for a step filled before the host knew where its sequences stand (an overlapped
+        speculative step: each starts after the previous verify's accepted drafts). Their slots
+        follow from the block table, which must cover the moved positions. by: [n] int64."""
+        q, m = self.q, n * self.q
+        steps = by.repeat_interleave(q)  # [m]
+        positions = self.positions[:m]
+        positions.add_(steps)
+        self.key_len[:m].add_(steps.to(torch.int32))
+        blocks = self.block_table[:n].gather(1, positions.view(n, q) // BLOCK_SIZE)  # [n, q] int32
+        self.slots[:m].copy_(blocks.view(-1) * BLOCK_SIZE + positions % BLOCK_SIZE)
+
     def _write(self, m: int, ids: list[int], pos: list[int], slots: list[int], key_len: list[int],
                device_tokens: DeviceTokens | None, rows: list[int]) -> list[int]:
         """fill()'s first m rows into the host twin, the rows past them made padding, then sent."""
@@ -598,8 +611,8 @@ class StepGraphs:
 
     @torch.inference_mode()
     def forward(self, kind: str, tables: Sequence[Sequence[int]], starts: Sequence[int],
-                token_ids: Sequence[Sequence[int]], q: int = 1,
-                device_tokens: DeviceTokens | None = None) -> torch.Tensor | None:
+                token_ids: Sequence[Sequence[int]], q: int = 1, device_tokens: DeviceTokens | None = None,
+                shift: tuple[torch.Tensor, int] | None = None) -> torch.Tensor | None:
         """The target over B sequences, sequence b computing tokens token_ids[b] (1 to q of them)
         at positions starts[b] .. over its blocks tables[b], from the graph of `kind` ("decode":
         q = 1 and logits out; "verify": final-normed hidden states out) -> logits [T, V] fp32 or
@@ -607,8 +620,11 @@ class StepGraphs:
         the same flattened batch returns, up to summation order; None when no bucket fits (run
         eagerly). For q > 1 the hidden states of the graph's rows instead, [bs·q, D] for the batch
         bucket bs: token i of sequence b at row b·q + i (StaticBatch.fill), padding rows after each
-        sequence's tokens. Outputs are views of a static buffer: read them before the next replay."""
-        buckets = self.bucket(len(tables), max(s + len(ids) for s, ids in zip(starts, token_ids)))
+        sequence's tokens. Outputs are views of a static buffer: read them before the next replay.
+        shift: (by [B] int64 on the device, its most): each sequence starts by[b] positions later
+        than starts[b] says (q tokens each; StaticBatch.shift)."""
+        most = 0 if shift is None else shift[1]
+        buckets = self.bucket(len(tables), max(s + len(ids) for s, ids in zip(starts, token_ids)) + most)
         if buckets is None:
             return None
         bs, max_keys = buckets
@@ -616,6 +632,8 @@ class StepGraphs:
         graph = self.captured((kind, bs, max_keys), lambda: self._target(batch, bs, max_keys, kind == "decode"),
                               batch.clear)
         batch.fill(bs, tables, starts, token_ids, device_tokens)
+        if shift is not None:
+            batch.shift(len(tables), shift[0])
         graph.replay()
         return graph.outputs[: len(tables)] if q == 1 else graph.outputs
 

@@ -319,6 +319,8 @@ class SpecDecoder:
         self._positions: tuple[SamplingTensors, int, SamplingTensors] | None = None  # see _per_position
         # drafts made before the verify's host sync (_draft_early), until propose() keeps them
         self._held: tuple[_DraftPlan, torch.Tensor, torch.Tensor | None] | None = None
+        self.overlapped_steps = 0  # verifies launched before the host sync of the step before (launch_next)
+        self.overlapped_discarded = 0  # of them, those the engine did not take (a sequence ended, a request came)
 
     def draft_lengths(self) -> dict[int, int]:
         """seq_id -> draft tokens held (what Scheduler.schedule takes)."""
@@ -352,10 +354,14 @@ class SpecDecoder:
     # -------------------------------------------------------------------------- verify
     @torch.inference_mode()
     def verify(self, scheduled: Sequence[ScheduledSeq], target: TargetPass,
-               generators: Mapping[int, RowGenerator]) -> dict[int, Emitted]:
+               generators: Mapping[int, RowGenerator],
+               before_sync: Callable[[VerifyResult], object] | None = None) -> dict[int, Emitted]:
         """Accept or reject the drafts of every chunk that samples -> seq_id -> Emitted.
 
-        target: from forward(). generators: seq_id -> the generator of a seeded request."""
+        target: from forward(). generators: seq_id -> the generator of a seeded request.
+        before_sync: called with the acceptance (on the device) before the host sync when the next
+        drafts were launched before it too (`_draft_early`): where the engine launches the next
+        verify (`launch_next`)."""
         chunks = [(b, item) for b, item in enumerate(scheduled) if item.samples]
         if not chunks:
             return {}
@@ -426,6 +432,8 @@ class SpecDecoder:
         # first, so that a graphed step's drafts follow the verify on the device while the host waits
         copy = HostCopy(result.tokens)
         self._draft_early(scheduled, target, result, generators)
+        if before_sync is not None and self._held is not None:
+            before_sync(result)
         with device_wait():
             tokens = copy.lists()[0]
         accepted = [row.index(PAD_ID) - 1 if PAD_ID in row else width for row in tokens]
@@ -503,6 +511,31 @@ class SpecDecoder:
         if graphs.run(members, target, rows, plan, accepted=result):
             for g, offset in spent:
                 g.offset = offset
+
+    def launch_next(self, scheduled: Sequence[ScheduledSeq], result: VerifyResult) -> TargetPass | None:
+        """The next step's verify forward, launched before this step's host sync (an overlapped
+        step: `LLM.async_scheduling`): each of `scheduled` (this step's verify-graph decodes, all
+        drafting on with γ drafts: the caller checks that, and that their blocks cover γ + 1
+        positions past this step's last possible one) verifies its next token — the acceptance's
+        last, still on the device — and the γ drafts _draft_early holds, at positions shifted on
+        the device by its accepted count. -> the step's TargetPass, or None where no graph fits.
+        The host then learns what it launched (the tokens, where each sequence stands) after the
+        sync; the engine's next step takes the pass if every sequence still runs."""
+        plan, tokens, _ = self._held
+        gamma, q = self.config.num_speculative_tokens, self.config.num_speculative_tokens + 1
+        assert [s.seq_id for s in plan.seqs] == [item.seq.seq_id for item in scheduled] and tokens.shape[1] == gamma
+        last = result.tokens.gather(1, result.num_accepted.view(-1, 1))  # [B, 1]: the token after the accepted
+        values = torch.cat([last, tokens], dim=1).view(-1)  # [B·q]: every row's input
+        n = len(scheduled)
+        graphs = self.runner.graphs
+        hidden = graphs.forward("verify", [item.seq.block_table for item in scheduled],
+                                [item.start + 1 for item in scheduled], [[0] * q] * n, q=q,
+                                device_tokens=DeviceTokens(list(range(n * q)), values),
+                                shift=(result.num_accepted, gamma))
+        if hidden is None:
+            return None
+        self.overlapped_steps += 1
+        return TargetPass(hidden, graphs.static_batch("verify", q).input_ids, [b * q for b in range(n)], q)
 
     def _streams_after_drafting(self, seqs: Sequence[Seq], generators: Mapping[int, RowGenerator]
                                 ) -> list[tuple[RowGenerator, int]]:

@@ -121,7 +121,8 @@ def add_serve_parser(subparsers) -> None:
                         "greedy requests accept greedily either way (default %(default)s)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap each engine step's host work with the device's work on the step before "
-                        "(default: on with CUDA and no speculative decoding, the only case it supports)")
+                        "(default: on with CUDA and no speculative decoding; with it, a step of graphed KVShare "
+                        "drafts launches the next verify before its host sync)")
     p.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=None,
                    help="before serving, run every step shape the engine's CUDA graphs and Triton kernels meet "
                         "(a few seconds), so that no request waits for a graph capture or a compile "
