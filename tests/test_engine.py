@@ -415,6 +415,23 @@ def test_static_batch_rows_past_each_sequence_are_padding():
     assert batch.view(4, 64).key_len.tolist() == [0] * 12 and set(batch.slots.tolist()) == {-1}
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_static_batch_shift_moves_sequences_as_a_fill_at_the_later_positions_would(device):
+    """An overlapped speculative step fills its verify before the host knows each sequence's accepted
+    count, then moves sequence b's rows by[b] positions on the device: positions, key counts and
+    slots (across a block edge too) are those of a fill at the later starts; padding rows stay."""
+    dev = torch.device(device)
+    tables, starts, ids = [[5, 2], [7, 3]], [60, 10], [[1, 2, 3], [4, 5, 6]]
+    want = StaticBatch(max_seqs=4, q=3, max_blocks=4, device=dev)
+    want.fill(4, tables, [62, 10], ids)
+    batch = StaticBatch(max_seqs=4, q=3, max_blocks=4, device=dev)
+    batch.fill(4, tables, starts, ids)
+    batch.shift(2, torch.tensor([2, 0], device=dev))
+    for field in ("positions", "slots", "key_len", "seq_idx", "input_ids"):
+        assert torch.equal(getattr(batch, field), getattr(want, field)), field
+    assert batch.slots[:3].tolist() == [5 * 64 + 62, 5 * 64 + 63, 2 * 64]  # into the next block
+
+
 def test_static_batch_puts_device_tokens_in_their_rows_and_sends_block_tables_when_they_change():
     batch = StaticBatch(max_seqs=2, q=3, max_blocks=4, device=torch.device("cpu"))
     # sequence 0: a token then two on the device; sequence 1: a token then one on the device
