@@ -145,6 +145,31 @@ def timed_replays(graphs):
             graph.replay = replay
 
 
+def graphs_alone(graphs, reps: int = 20) -> list[dict[str, Any]]:
+    """Each CUDA graph of `graphs` (a runner's StepGraphs, or None) replayed alone, `reps` times, the
+    device idle before each: medians of the host's time in replay() and of the device's time from
+    launch to end (CUDA events around it) -> [{"graph", "host_us", "device_us"}], in key order. What
+    a step's graphs cost the device by themselves, and their launches the host outside a step. Run
+    after the engine's work: a replay recomputes the graph's last inputs (the same KV again)."""
+    if graphs is None or not torch.cuda.is_available():
+        return []
+    rows = []
+    for key, graph in sorted(graphs.graphs.items(), key=lambda kv: str(kv[0])):
+        host, device = [], []
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            t = time.perf_counter()
+            graph.replay()
+            host.append(1e6 * (time.perf_counter() - t))
+            end.record()
+            torch.cuda.synchronize()
+            device.append(1e3 * start.elapsed_time(end))
+        rows.append({"graph": str(key), "host_us": statistics.median(host), "device_us": statistics.median(device)})
+    return rows
+
+
 def timed_steps(warm: list[dict], timed: list[dict], wall_s: float, slowest: int = 5) -> dict[str, Any]:
     """What a timed run's mean step is made of, beyond its median: the steps' own time against the
     run's wall (the rest is generate()'s work outside steps), CUDA graphs captured during the run
@@ -279,7 +304,8 @@ def profile_engine(llm, prompts: list[list[int]], params: list, device: torch.de
                             "us_per_step": 1e6 * s / max(len(timed), 1)} for name, (n, s) in parts.items()],
             "output_tokens": sum(len(o.token_ids) for o in outs),
             "mean_acceptance_length": 1 + accepted / verifies if verifies else None,
-            "profiled_steps": len(profiled), **breakdown(prof.events(), steps, top)}
+            "profiled_steps": len(profiled), **breakdown(prof.events(), steps, top),
+            "graphs_alone": graphs_alone(getattr(llm.runner, "graphs", None) if device.type == "cuda" else None)}
 
 
 def run_profiles(model_dir: Path, w: Workload, gammas: list[int], device: str, top: int, trace_dir: Path | None,
@@ -350,6 +376,11 @@ def _timed_lines(e: dict[str, Any]) -> list[str]:
                     md_table(["graph kind", "replays a step", "host µs a replay"],
                              [[f"`{r['kind']}`", fmt_num(r["replays_per_step"]), fmt_num(r["host_us_per_replay"])]
                               for r in e["graph_replays"]]), ""]
+    if e.get("graphs_alone"):
+        launches += ["Each CUDA graph replayed alone after the runs (the device idle before; medians of 20):", "",
+                     md_table(["graph (kind, batch or rows, keys, ...)", "host µs a launch", "device µs"],
+                              [[f"`{r['graph']}`", fmt_num(r["host_us"]), fmt_num(r["device_us"])]
+                               for r in e["graphs_alone"]]), ""]
     slow = "; ".join(f"step {r['step']}: {fmt_num(r['ms'])} ms ({r['tokens']} tokens"
                      + (", a prefill" if r.get("prefill") else "") + (f", {r['captured']} graph(s) captured"
                                                                       if r.get("captured") else "") + ")"

@@ -142,7 +142,7 @@ def test_profile_runs_the_engines_and_writes_the_reports(ckpt, tmp_path, capsys)
         slow = e["slowest_steps"]
         assert len(slow) == 5 and [r["ms"] for r in slow] == sorted((r["ms"] for r in slow), reverse=True)
         assert slow[0]["ms"] <= e["steps_ms"] and all(0 <= r["step"] < e["steps"] for r in slow)
-        assert e["graph_replays"] == []  # no CUDA graphs on a CPU
+        assert e["graph_replays"] == [] and e["graphs_alone"] == []  # no CUDA graphs on a CPU
         # the timed run's parts, timed on the host without a profiler: every part once a step, and the
         # host's waits for the device's tokens inside them (on a CPU: copies of finished tensors)
         parts = {r["name"]: r for r in e["host_parts"]}
@@ -163,8 +163,11 @@ def test_profile_runs_the_engines_and_writes_the_reports(ckpt, tmp_path, capsys)
     gpu = results | {"ceilings": Ceilings(680.0, 1200.0, 4100.0, {"matmul_n": 8192, "copy_bytes": 1 << 30}).to_dict()}
     assert "## Ceilings (measured in this run)" in render_markdown(gpu) and "4,100 GB/s" in render_markdown(gpu)
     gpu["engines"][1] = spec | {"graph_replays": [{"kind": "verify", "replays_per_step": 1.0,
-                                                   "host_us_per_replay": 250.0}]}
+                                                   "host_us_per_replay": 250.0}],
+                                "graphs_alone": [{"graph": "('verify', 1, 4096)", "host_us": 17.0,
+                                                  "device_us": 1200.0}]}
     assert "| `verify` | 1 | 250 |" in render_markdown(gpu)
+    assert "| `('verify', 1, 4096)` | 17 | 1,200 |" in render_markdown(gpu)
     again = tmp_path / "again"
     assert main(["bench", "profile", "--from-json", str(tmp_path / "profile-cpu.json"), "--out", str(again)]) == 0
     assert (again / "profile-cpu.md").read_text() == md
