@@ -460,6 +460,9 @@ def test_graphed_steps_equal_eager_steps(case, noise_drafter, good_drafter):
     # prefills (and the second wave's beside running decodes and their drafts) as ragged rows
     assert any(k[0] == "mixed-hidden" for k in keys), sorted(keys, key=str)
     drafts = {k[3] for k in keys if k[0] == "draft"}
+    # the acceptance after a graphed verify as one graph (AcceptGraphs): greedy, or sampled
+    accepts = {k[3] if isinstance(k[3], str) else k[3][0] for k in keys if k[0] == "accept"}
+    assert accepts == ({"greedy"} if temperature == 0 else {"sampled"}), sorted(keys, key=str)
     if temperature == 0:
         assert "loop" in drafts, sorted(keys, key=str)
     elif temperature == "mixed":

@@ -103,7 +103,15 @@ def rejection_sample(target_probs: torch.Tensor, draft_tokens: torch.Tensor, dra
 
     # the token after the accepted drafts races on these (as `sample` draws them)
     noise = draw_rows(torch.empty(bsz, vocab, device=device), EXPONENTIAL, generators, shared_generator)
-    if device.type == "cuda":  # two launches where the twin's ~20 small ops would each cost host time
+    return accept_with_draws(target_probs, draft_tokens, draft_probs, num_drafts, uniforms, noise)
+
+
+def accept_with_draws(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+                      num_drafts: torch.Tensor | None, uniforms: torch.Tensor, noise: torch.Tensor) -> VerifyResult:
+    """rejection_sample's rule given its draws (uniforms [B, K], noise [B, V] Exp(1), which the twin
+    overwrites): the Triton kernel on CUDA, its twin elsewhere. Nothing here reads the device on the
+    host, so a CUDA graph can hold it (`spec_decode.AcceptGraphs`)."""
+    if target_probs.device.type == "cuda":  # two launches where the twin's ~20 small ops would each cost host time
         from megactx.kernels.rejection import rejection_rows
 
         tokens, num_accepted = rejection_rows(target_probs, draft_tokens, draft_probs, num_drafts, uniforms, noise,

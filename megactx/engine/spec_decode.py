@@ -52,9 +52,9 @@ kind "verify": a sequence with k < γ drafts leaves padding rows), any other ste
 chunks, beside decodes and their drafts) as one graph of ragged rows (kind "mixed-hidden", up to
 the largest row bucket: eager, a 256-token prompt's step took 56 ms of host launches on an H200),
 and propose() runs the MTP steps as `DraftGraphs` (after a chunk of more than γ + 1 positions, a
-prompt's, its MTP KV eagerly first, then the graphs from each sequence's last position). The
-acceptance
-(verify()) stays eager: it is a handful of kernels ending in the step's host sync anyway.
+prompt's, its MTP KV eagerly first, then the graphs from each sequence's last position). After a
+verify graph whose sequences all verify K drafts, greedily or from their requests' streams, the
+acceptance is one graph too (`AcceptGraphs`: logits, sampling pipeline, draws, rule); else eager.
 
 Drafts before the sync. With KVShare after a graphed verify, nothing in the next drafts waits for
 the host: verify() launches the draft graph between its acceptance and its host sync, from the
@@ -79,7 +79,13 @@ import torch
 
 from megactx.config import ModelConfig
 from megactx.engine.model_runner import DeviceTokens, input_ids_on_device
-from megactx.engine.rejection_sampler import VerifyResult, draw_uniforms, greedy_verify, rejection_sample
+from megactx.engine.rejection_sampler import (
+    VerifyResult,
+    accept_with_draws,
+    draw_uniforms,
+    greedy_verify,
+    rejection_sample,
+)
 from megactx.engine.sampler import (
     PAD_ID,
     RowGenerator,
@@ -105,6 +111,7 @@ from megactx.model.paged import (
     OutputRows,
     PagedBatch,
     PagedLayerCache,
+    StagedBuffers,
     slots_of_range,
     to_device,
     to_device_packed,
@@ -315,6 +322,7 @@ class SpecDecoder:
         self.drafts: dict[int, Draft] = {}  # seq_id -> drafts for its next verify
         self.stats = SpecDecodeStats(config.num_speculative_tokens)
         self._graphs: DraftGraphs | None = None
+        self._accepts: AcceptGraphs | None = None
         self._verify_sampling, self._draft_sampling = SamplingTensorsCache(), SamplingTensorsCache()
         self._positions: tuple[SamplingTensors, int, SamplingTensors] | None = None  # see _per_position
         # drafts made before the verify's host sync (_draft_early), until propose() keeps them
@@ -387,47 +395,16 @@ class SpecDecoder:
         if target.q is None:  # the drafts' rows; past a chunk's drafts (ignored) its last verified row
             needed["drafts"] = [target.first_rows[b] + item.num_tokens - 1 + min(j + 1, item.num_draft_tokens)
                                 for b, item in chunks for j in range(width)]
-        indices = dict(zip(needed, to_device_packed([np.array(v, dtype=np.int64) for v in needed.values()], device)
-                           if needed else []))
-        hidden = target.hidden.index_select(0, indices["rows"]) if "rows" in indices else target.hidden[: len(rows)]
-        raw = self.model.compute_logits(hidden)  # [R, V]
-        if "padded" in indices:
-            raw = raw.index_select(0, indices["padded"])  # [B (K + 1), V]
-        if target.q is None:
-            drafted = target.input_ids.index_select(0, indices["drafts"]).view(bsz, width)  # [B, K]
-        else:  # the verify graph's rows: every chunk is a decode, its drafts after its token
-            assert bsz == len(scheduled), "a verify graph runs decodes only"
-            drafted = target.input_ids.view(-1, target.q)[:bsz, 1 : width + 1]
-        num_drafts = indices.get("num_drafts")  # None: every chunk verifies K drafts
-
         seqs = [item.seq for _, item in chunks]
         tensors = self._verify_sampling.get(seqs, device, vocab, self.eos_token_ids)
-        if not tensors.all_greedy or tensors.any_min_tokens or tensors.any_penalties:  # a row a position
-            tensors = self._per_position(tensors, width)
-        processed = raw
-        if tensors.any_min_tokens or tensors.any_penalties:
-            # position j of a verify comes after drafts 1 .. j: they count as output there (on the host: waits
-            # for the drafts' copy)
-            drafts = [self.drafts[item.seq.seq_id].tokens[: item.num_draft_tokens] if item.num_draft_tokens else []
-                      for _, item in chunks]
-            history = [s.output_token_ids + d[:j] for s, d in zip(seqs, drafts) for j in range(width + 1)]
-            outputs = pad_token_ids(history, device)
-            if tensors.any_min_tokens:
-                processed = mask_stop_tokens_before_min(processed, tensors, outputs)
-            if tensors.any_penalties:
-                prompts = pad_token_ids([s.token_ids[: s.num_prompt_tokens] for s in seqs for _ in range(width + 1)],
-                                        device)
-                processed = apply_penalties(processed, tensors, prompts, outputs)
-
-        if tensors.all_greedy:
-            result = greedy_verify(processed.argmax(dim=-1).view(bsz, width + 1), drafted, num_drafts)
+        graphed = None
+        if not needed and not (tensors.any_penalties or tensors.any_min_tokens):  # a verify graph's rows as they are
+            graphed = self._accept_graphs(bsz, width, tensors, seqs, [item for _, item in chunks], generators)
+        if graphed is not None:
+            raw, result = graphed
+            raw = raw[: len(rows)]  # the verified rows' logits, in order (for logprobs)
         else:
-            gens = [generators.get(s.seq_id) for s in seqs]
-            # γ draws a row whatever this batch's K, so a seeded request's draws do not depend on the batch
-            uniforms = draw_uniforms(bsz, self.config.num_speculative_tokens, device, gens, self.shared_generator)
-            result = rejection_sample(process_logits(processed, tensors).view(bsz, width + 1, vocab), drafted,
-                                      self._draft_probs([item for _, item in chunks], width), num_drafts,
-                                      uniforms[:, :width], gens, self.shared_generator)
+            raw, result = self._accept(scheduled, chunks, target, width, rows, needed, tensors, generators)
         # the step's host sync, one copy: row b holds its num_accepted + 1 tokens, then PAD_ID. Queued
         # first, so that a graphed step's drafts follow the verify on the device while the host waits
         copy = HostCopy(result.tokens)
@@ -455,6 +432,53 @@ class SpecDecoder:
             emitted[seq.seq_id] = Emitted(tokens[b][: accepted[b] + 1], k, accepted[b],
                                           logprobs[b] if logprobs is not None else None)
         return emitted
+
+    def _accept(self, scheduled: Sequence[ScheduledSeq], chunks: list[tuple[int, ScheduledSeq]], target: TargetPass,
+                width: int, rows: list[int], needed: dict[str, list[int]], tensors: SamplingTensors,
+                generators: Mapping[int, RowGenerator]) -> tuple[torch.Tensor, VerifyResult]:
+        """verify()'s acceptance, eagerly: -> (logits of the verified rows [R, V] fp32, the result)."""
+        device, vocab, bsz = target.hidden.device, self.vocab_size, len(chunks)
+        indices = dict(zip(needed, to_device_packed([np.array(v, dtype=np.int64) for v in needed.values()], device)
+                           if needed else []))
+        hidden = target.hidden.index_select(0, indices["rows"]) if "rows" in indices else target.hidden[: len(rows)]
+        raw = self.model.compute_logits(hidden)  # [R, V]
+        if "padded" in indices:
+            raw = raw.index_select(0, indices["padded"])  # [B (K + 1), V]
+        if target.q is None:
+            drafted = target.input_ids.index_select(0, indices["drafts"]).view(bsz, width)  # [B, K]
+        else:  # the verify graph's rows: every chunk is a decode, its drafts after its token
+            assert bsz == len(scheduled), "a verify graph runs decodes only"
+            drafted = target.input_ids.view(-1, target.q)[:bsz, 1 : width + 1]
+        num_drafts = indices.get("num_drafts")  # None: every chunk verifies K drafts
+
+        seqs = [item.seq for _, item in chunks]
+        if not tensors.all_greedy or tensors.any_min_tokens or tensors.any_penalties:  # a row a position
+            tensors = self._per_position(tensors, width)
+        processed = raw
+        if tensors.any_min_tokens or tensors.any_penalties:
+            # position j of a verify comes after drafts 1 .. j: they count as output there (on the host: waits
+            # for the drafts' copy)
+            drafts = [self.drafts[item.seq.seq_id].tokens[: item.num_draft_tokens] if item.num_draft_tokens else []
+                      for _, item in chunks]
+            history = [s.output_token_ids + d[:j] for s, d in zip(seqs, drafts) for j in range(width + 1)]
+            outputs = pad_token_ids(history, device)
+            if tensors.any_min_tokens:
+                processed = mask_stop_tokens_before_min(processed, tensors, outputs)
+            if tensors.any_penalties:
+                prompts = pad_token_ids([s.token_ids[: s.num_prompt_tokens] for s in seqs for _ in range(width + 1)],
+                                        device)
+                processed = apply_penalties(processed, tensors, prompts, outputs)
+
+        if tensors.all_greedy:
+            result = greedy_verify(processed.argmax(dim=-1).view(bsz, width + 1), drafted, num_drafts)
+        else:
+            gens = [generators.get(s.seq_id) for s in seqs]
+            # γ draws a row whatever this batch's K, so a seeded request's draws do not depend on the batch
+            uniforms = draw_uniforms(bsz, self.config.num_speculative_tokens, device, gens, self.shared_generator)
+            result = rejection_sample(process_logits(processed, tensors).view(bsz, width + 1, vocab), drafted,
+                                      self._draft_probs([item for _, item in chunks], width), num_drafts,
+                                      uniforms[:, :width], gens, self.shared_generator)
+        return raw, result
 
     def _per_position(self, tensors: SamplingTensors, width: int) -> SamplingTensors:
         """tensors (a row a sequence) with a row a verified position: each sequence's row K + 1 times.
@@ -698,6 +722,22 @@ class SpecDecoder:
         for b, (seq, k) in enumerate(zip(plan.seqs, plan.steps)):
             self.drafts[seq.seq_id] = Draft(tokens[b, :k], None if probs is None else probs[b, :k], host, b, probs)
 
+    def _accept_graphs(self, bsz: int, width: int, tensors: SamplingTensors, seqs: list[Seq],
+                       chunks: list[ScheduledSeq], generators: Mapping[int, RowGenerator]
+                       ) -> tuple[torch.Tensor, VerifyResult] | None:
+        """The acceptance of a graphed verify's rows as one graph (`AcceptGraphs`), where it can be:
+        every row verifies `width` >= 1 drafts, and greedily or from its request's random stream."""
+        graphs = self.runner.graphs
+        if graphs is None or width < 1:
+            return None
+        gens = [generators.get(s.seq_id) for s in seqs]
+        if not tensors.all_greedy and not all(isinstance(g, RowGenerator) for g in gens):
+            return None
+        if self._accepts is None or self._accepts.graphs is not graphs:
+            self._accepts = AcceptGraphs(self, graphs)
+        return self._accepts.run(bsz, width, tensors, gens,
+                                 None if tensors.all_greedy else self._draft_probs(chunks, width))
+
     def _draft_graphs(self) -> DraftGraphs | None:
         """The draft graphs over the runner's graphs (None: the runner runs eagerly)."""
         graphs = self.runner.graphs
@@ -723,6 +763,113 @@ class _DraftPlan:
 
 # ------------------------------------------------------------------------------ draft graphs
 SETTINGS_FIELDS = ("temperature", "top_k", "top_p", "min_p")  # what process_logits reads of SamplingTensors
+
+
+class AcceptGraphs:
+    """verify()'s acceptance as one graph after a graphed verify whose rows all verify K drafts (most
+    steps), keyed ("accept", batch bucket, K, which): the logits of the verify graph's rows, then
+    greedily (which = "greedy") their argmax against the drafts, else (which = ("sampled", the
+    sampling stages in use, whether the drafts have a q)) process_logits on every position, the
+    acceptance uniforms and the race's noise from each request's random stream (γ values, then a
+    vocabulary, as the eager path draws them: the host advances the streams and sends their
+    counters), and the rejection rule. So a step's acceptance is one launch instead of a few dozen
+    eager ones, each costing more host time than its work takes the GPU at small batch (an H100's
+    host spent ~1.5 ms a γ = 3 step in them, 2026-12-05).
+
+    Inputs are static: the verify graphs' output rows and input tokens, the requests' settings
+    (filled when the batch changes), the streams' keys and counters (sent every step), the drafts'
+    q (copied in when sampled). Outputs: the logits [bs·q, V] (for logprobs) and the VerifyResult,
+    views of static buffers valid until the next replay."""
+
+    def __init__(self, spec: SpecDecoder, graphs: StepGraphs):
+        self.spec, self.graphs = spec, graphs
+        gamma, n, dev = spec.config.num_speculative_tokens, graphs.max_num_seqs, spec.runner.device
+        self.q = gamma + 1
+        self.streams = StagedBuffers({"keys": ((n,), torch.long), "uniforms": ((n,), torch.long),
+                                      "noise": ((n,), torch.long)}, dev)
+        self.tokens = torch.zeros(n, self.q, dtype=torch.long, device=dev)
+        self.num_accepted = torch.zeros(n, dtype=torch.long, device=dev)
+        self.settings: SamplingTensors | None = None  # sampled: the rows' settings, filled from _filled
+        self.draft_q: torch.Tensor | None = None  # [n, γ, V] fp32
+        self._filled: SamplingTensors | None = None
+
+    def run(self, bsz: int, width: int, tensors: SamplingTensors, gens: list[RowGenerator | None],
+            draft_q: torch.Tensor | None) -> tuple[torch.Tensor, VerifyResult] | None:
+        """The acceptance of bsz sequences verifying `width` drafts each from the verify graphs'
+        rows -> (logits [bs·q, V], VerifyResult of the bsz rows); None when no batch bucket fits.
+        draft_q: [bsz, width, V], the drafts' q (sampled), or None (greedy, or drafts q one-hot)."""
+        bs = next((b for b in self.graphs.batch_buckets if b >= bsz), None)
+        if bs is None:
+            return None
+        vocab = self.spec.vocab_size
+        if tensors.all_greedy:
+            which = "greedy"
+        else:
+            which = ("sampled", tensors.any_greedy, tensors.any_top_k, tensors.any_top_p, tensors.any_min_p,
+                     draft_q is not None)
+        graph = self.graphs.captured(("accept", bs, width, which), lambda: self._build(bs, width, which), lambda: None)
+        if not tensors.all_greedy:
+            host = self.streams.host()
+            host["keys"][:], host["uniforms"][:], host["noise"][:] = 0, 0, 0
+            gamma = self.q - 1
+            for b, g in enumerate(gens):  # as draw_uniforms (γ values a row), then the race's noise (a vocabulary)
+                host["keys"][b], host["uniforms"][b] = g.key, g.offset
+                host["noise"][b] = g.offset + gamma
+                g.offset += gamma + vocab
+            self.streams.send()
+            if self._filled is not tensors:
+                rows = torch.arange(bsz, device=self.tokens.device)
+                for name in SETTINGS_FIELDS:
+                    getattr(self.settings, name).index_copy_(0, rows, getattr(tensors, name))
+                self._filled = tensors
+            if draft_q is not None:
+                self.draft_q[:bsz, :width].copy_(draft_q)
+        graph.replay()
+        return graph.outputs, VerifyResult(self.tokens[:bsz, : width + 1], self.num_accepted[:bsz])
+
+    def _build(self, bs: int, width: int, which: str | tuple) -> Callable[[], torch.Tensor]:
+        spec, graphs, q = self.spec, self.graphs, self.q
+        model, vocab = spec.model, spec.vocab_size
+        hidden = graphs.hidden_rows(q)[: bs * q]
+        drafted = graphs.static_batch("verify", q).input_ids.view(-1, q)[:bs, 1 : width + 1]
+        logits = graphs.output("accept-logits", bs * q, vocab, capacity=graphs.max_num_seqs * q)
+        tokens, num_accepted = self.tokens[:bs, : width + 1], self.num_accepted[:bs]
+        if which == "greedy":
+            def accept() -> torch.Tensor:
+                logits.copy_(model.compute_logits(hidden))
+                result = greedy_verify(logits.view(bs, q, vocab)[:, : width + 1].argmax(dim=-1), drafted)
+                tokens.copy_(result.tokens)
+                num_accepted.copy_(result.num_accepted)
+                return logits
+
+            return accept
+        _, any_greedy, any_top_k, any_top_p, any_min_p, has_q = which
+        n, dev = graphs.max_num_seqs, self.tokens.device
+        if self.settings is None:
+            self.settings = SamplingTensors.from_params([SamplingParams()] * n, dev, vocab)
+        if has_q and self.draft_q is None:
+            self.draft_q = torch.zeros(n, q - 1, vocab, device=dev)
+        positions = torch.arange(bs, device=dev).repeat_interleave(width + 1)  # each row's settings a position
+        settings = dataclasses.replace(self.settings, any_greedy=any_greedy, any_top_k=any_top_k, any_top_p=any_top_p,
+                                       any_min_p=any_min_p, all_greedy=False)
+        fields = self.streams.device
+        keys, uniform_at, noise_at = fields["keys"][:bs], fields["uniforms"][:bs], fields["noise"][:bs]
+        draft_q = self.draft_q[:bs, :width] if has_q else None
+
+        def accept() -> torch.Tensor:
+            logits.copy_(model.compute_logits(hidden))
+            rows = logits.view(bs, q, vocab)[:, : width + 1].reshape(bs * (width + 1), vocab)
+            p = process_logits(rows, settings.select(positions)).view(bs, width + 1, vocab)
+            uniforms = stream_values(keys, uniform_at, q - 1, exponential=False)[:, :width]
+            noise = stream_values(keys, noise_at, vocab, exponential=True)
+            result = accept_with_draws(p, drafted, draft_q, None, uniforms, noise)
+            tokens.copy_(result.tokens)
+            num_accepted.copy_(result.num_accepted)
+            return logits
+
+        return accept
+
+
 
 
 class DraftGraphs:
