@@ -676,6 +676,7 @@ def test_cuda_graphs_replay_the_eager_speculative_steps(random_checkpoint, gamma
     keys = graphed.runner.graphs.graphs
     assert len({bs for kind, bs, *_ in keys if kind == "verify"}) >= 2, sorted(keys, key=str)
     assert any(k[0] == "draft" and k[3] == "loop" for k in keys), sorted(keys, key=str)
+    assert any(k[0] == "accept" and k[3] == "greedy" for k in keys), sorted(keys, key=str)
     assert graphed.block_manager.num_used_blocks == 0
     early = graphed.spec._graphs.early_rounds  # KVShare drafts launched before the verify's host sync
     assert early > 0 if mode == "kvshare" else early == 0
@@ -713,6 +714,8 @@ def test_cuda_graphs_replay_sampled_drafts_in_one_graph(good_drafter, mode):
         assert graphed.stats.spec_decode.mean_acceptance_length > 1.3
         loops = {k[3] for k in graphed.runner.graphs.graphs if k[0] == "draft"}
         assert ("sampled", False, False, False, False) in loops, loops
+        accepts = {k[3] for k in graphed.runner.graphs.graphs if k[0] == "accept"}
+        assert ("sampled", False, False, False, False, True) in accepts, accepts
         assert (graphed.spec._graphs.early_rounds > 0) == (mode == "kvshare")
         overlapped = LLM(cuda, cuda_graphs=True, async_scheduling=True, **kwargs)
         got = overlapped.generate(prompts, params, use_tqdm=False)
