@@ -859,7 +859,9 @@ class AcceptGraphs:
         def accept() -> torch.Tensor:
             logits.copy_(model.compute_logits(hidden))
             rows = logits.view(bs, q, vocab)[:, : width + 1].reshape(bs * (width + 1), vocab)
-            p = process_logits(rows, settings.select(positions)).view(bs, width + 1, vocab)
+            per_position = dataclasses.replace(settings, **{name: getattr(settings, name).index_select(0, positions)
+                                                            for name in SETTINGS_FIELDS})  # what process_logits reads
+            p = process_logits(rows, per_position).view(bs, width + 1, vocab)
             uniforms = stream_values(keys, uniform_at, q - 1, exponential=False)[:, :width]
             noise = stream_values(keys, noise_at, vocab, exponential=True)
             result = accept_with_draws(p, drafted, draft_q, None, uniforms, noise)
