@@ -265,9 +265,35 @@ def device_idle(busy: list[tuple[float, float]], spans: list[tuple[float, float,
     return dict(idle)
 
 
+def python_functions(llm, prompts: list[list[int]], params: list, device: torch.device, top: int
+                     ) -> list[dict[str, Any]]:
+    """One more run of the workload under cProfile -> the `top` functions by own host time a step
+    (Python functions, and the C calls they make: kernel launches, copies, syncs), with their
+    cumulative time: which code a host-bound step spends its time in. (cProfile slows Python code
+    about twofold; compare functions with each other, not with the timed run's wall.)"""
+    import cProfile
+    import pstats
+
+    steps = llm.stats.steps
+    sync_device(device)
+    prof = cProfile.Profile()
+    prof.enable()
+    llm.generate(prompts, params, use_tqdm=False)
+    sync_device(device)
+    prof.disable()
+    n = max(llm.stats.steps - steps, 1)
+    rows = []
+    for (path, line, name), (_, calls, own, cum, _) in pstats.Stats(prof).stats.items():
+        where = name if path == "~" else f"{Path(path).name}:{line}({name})"
+        rows.append({"function": where, "calls_per_step": calls / n, "own_us_per_step": 1e6 * own / n,
+                     "cum_us_per_step": 1e6 * cum / n})
+    return sorted(rows, key=lambda r: -r["own_us_per_step"])[:top]
+
+
 def profile_engine(llm, prompts: list[list[int]], params: list, device: torch.device, log: Path, top: int,
-                   trace: Path | None = None) -> dict[str, Any]:
-    """Warm-up, timed and profiled runs of one engine on the same prompts; figures per step."""
+                   trace: Path | None = None, python_profile: bool = False) -> dict[str, Any]:
+    """Warm-up, timed and profiled runs of one engine on the same prompts; figures per step.
+    python_profile: one more run under cProfile (`python_functions`)."""
     from torch.profiler import ProfilerActivity, profile
 
     llm.generate(prompts, params, use_tqdm=False)  # compiles and captures what the runs meet
@@ -305,11 +331,13 @@ def profile_engine(llm, prompts: list[list[int]], params: list, device: torch.de
             "output_tokens": sum(len(o.token_ids) for o in outs),
             "mean_acceptance_length": 1 + accepted / verifies if verifies else None,
             "profiled_steps": len(profiled), **breakdown(prof.events(), steps, top),
-            "graphs_alone": graphs_alone(getattr(llm.runner, "graphs", None) if device.type == "cuda" else None)}
+            "graphs_alone": graphs_alone(getattr(llm.runner, "graphs", None) if device.type == "cuda" else None),
+            **({"python_functions": python_functions(llm, prompts, params, device, 2 * top)} if python_profile else {})}
 
 
 def run_profiles(model_dir: Path, w: Workload, gammas: list[int], device: str, top: int, trace_dir: Path | None,
-                 engine_args: dict[str, Any], progress: Progress, overlap: bool = False) -> dict[str, Any]:
+                 engine_args: dict[str, Any], progress: Progress, overlap: bool = False,
+                 python_profile: bool = False) -> dict[str, Any]:
     from megactx import LLM, SamplingParams
     from megactx.config import ModelConfig
 
@@ -336,7 +364,7 @@ def run_profiles(model_dir: Path, w: Workload, gammas: list[int], device: str, t
                       warm_up=False, step_log=log, enable_prefix_caching=False, **engine_args,
                       **({"async_scheduling": True} if gamma and overlap else {}))
             trace = trace_dir / f"profile-trace-g{gamma}.json" if trace_dir else None
-            figures = profile_engine(llm, prompts, params, dev, log, top, trace)
+            figures = profile_engine(llm, prompts, params, dev, log, top, trace, python_profile)
             results["engines"].append({"gamma": gamma, **figures} | ({"trace": str(trace)} if trace else {}))
             progress.log(f"  {figures['steps']} steps, {fmt_num(figures['wall_ms_per_step'])} ms a step, device "
                          f"{fmt_num(figures['device_us_per_step'] / 1e3)} ms a step")
@@ -432,6 +460,13 @@ def render_markdown(results: dict[str, Any]) -> str:
                   "Kernels, by device time:", "", _table(e["kernels"], "kernel"),
                   "CUDA runtime / driver calls:", "", _table(e["runtime_calls"], "call"),
                   "Host: PyTorch ops by self CPU time:", "", _table(e["host_ops"], "op")]
+        if e.get("python_functions"):
+            lines += ["Host: functions by own time a step, under cProfile (a further run; cProfile slows Python "
+                      "about twofold, so compare the rows with each other):", "",
+                      md_table(["function", "calls a step", "own µs a step", "cumulative µs a step"],
+                               [[f"`{r['function'][:90]}`", fmt_num(r["calls_per_step"]),
+                                 fmt_num(r["own_us_per_step"]), fmt_num(r["cum_us_per_step"])]
+                                for r in e["python_functions"]]), ""]
     return "\n".join(lines)
 
 
@@ -488,6 +523,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overlap", action="store_true",
                    help="speculative engines overlap their steps (LLM(async_scheduling=True): a step of KVShare "
                         "drafts launches the next verify before its host sync)")
+    p.add_argument("--python-profile", action="store_true",
+                   help="one more run per engine under cProfile: the Python functions (and the C calls they "
+                        "make) by host time a step, for a step bound by its host")
     p.add_argument("--no-fuse", dest="fuse", action="store_false",
                    help="the engine without its fused GEMMs and routing kernel (LLM(fuse=False)): what they save")
     p.add_argument("--trace", action="store_true", help="also write a Chrome/Perfetto trace per engine into --out")
@@ -522,7 +560,7 @@ def run(args: argparse.Namespace) -> int:
         engine_args = {"max_num_batched_tokens": args.max_num_batched_tokens, "hf_overrides": args.hf_overrides,
                        "cuda_graphs": args.cuda_graphs, "fuse": args.fuse}
         results = run_profiles(path, w, args.num_speculative_tokens, device, args.top, out if args.trace else None,
-                               engine_args, progress, args.overlap)
+                               engine_args, progress, args.overlap, args.python_profile)
     except (ValueError, OSError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2

@@ -176,9 +176,15 @@ def test_profile_runs_the_engines_and_writes_the_reports(ckpt, tmp_path, capsys)
 def test_profile_of_a_prefill(ckpt, tmp_path):
     # 150 tokens: two full KV blocks, which a prefix cache would hand the timed and profiled runs
     assert main(_args(ckpt, tmp_path, "--prefill", "150", "--max-num-batched-tokens", "64", "--no-cuda-graphs",
-                      "--no-fuse")) == 0
+                      "--no-fuse", "--python-profile")) == 0
     results = json.loads((tmp_path / "profile-cpu.json").read_text())
     (engine,) = results["engines"]
+    # --python-profile: the functions by own host time a step, most first, the engine's among them
+    functions = engine["python_functions"]
+    assert [r["own_us_per_step"] for r in functions] == sorted((r["own_us_per_step"] for r in functions), reverse=True)
+    assert all(r["cum_us_per_step"] >= r["own_us_per_step"] > 0 for r in functions)
+    assert any(".py:" in r["function"] for r in functions)
+    assert "under cProfile" in (tmp_path / "profile-cpu.md").read_text()
     assert results["workload"].endswith("no CUDA graphs, unfused (LLM(fuse=False))")
     # every run computes the whole prompt, in chunks of 64, as the warm-up did (no kernel meets a new shape)
     assert engine["steps"] == engine["profiled_steps"] == 3 and engine["output_tokens"] == 1
