@@ -499,6 +499,33 @@ def test_overlapped_steps_equal_the_steps_they_overlap(good_drafter, temperature
     assert overlapped.stats.steps == plain.stats.steps and overlapped.block_manager.num_used_blocks == 0
 
 
+def test_an_overlapped_step_goes_on_without_the_sequence_that_ended(good_drafter):
+    """A sequence stopped (a stop token inside its accepted run) while the next verify was launched:
+    the others take that verify, its rows left in place, and every step still equals the engine that
+    does not overlap."""
+    prompts = _prompts([5, 40, 70], seed=7)
+    setup = dict(num_speculative_tokens=GAMMA, max_num_seqs=4, num_blocks=32)
+    free = LLM(good_drafter, device="cpu", **setup).generate(prompts[:1], GREEDY, use_tqdm=False)[0].token_ids
+    stop = free[12]  # request 0 stops there, mid-run
+    params = [SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, stop_token_ids=[stop])] + \
+        [SamplingParams(temperature=0.8, max_tokens=60, ignore_eos=True, seed=s) for s in (1, 2)]
+    plain = _graphed(LLM(good_drafter, device="cpu", **setup))
+    overlapped = _graphed(LLM(good_drafter, device="cpu", async_scheduling=True, **setup))
+    for llm in (plain, overlapped):
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            llm.add_request(prompt, p, request_id=str(i))
+    ended = None
+    while plain.has_unfinished():
+        got = [(d.request_id, d.token_ids, d.finish_reason) for d in overlapped.step()]
+        assert got == [(d.request_id, d.token_ids, d.finish_reason) for d in plain.step()]
+        _same_state(plain, overlapped, ahead=True)
+        if ended is None and any(r == "0" and f == "stop" for r, _, f in got):
+            ended = overlapped.spec.overlapped_steps
+    assert not overlapped.has_unfinished() and ended is not None
+    spec = overlapped.spec
+    assert spec.overlapped_discarded == 0 and spec.overlapped_steps > ended  # the others went on overlapped
+
+
 def test_graphed_steps_equal_eager_steps_under_preemption(good_drafter):
     """As above with too few blocks and a small token budget: chunked prefills beside graphed
     decodes, a preempted sequence recomputed, then drafting again from graphs."""

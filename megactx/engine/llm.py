@@ -28,6 +28,7 @@ drafted and accepted tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import random
@@ -202,8 +203,9 @@ class LLM:
     With speculative decoding (off unless asked for): a step of graphed decodes with KVShare drafts
     launches the next verify before its host sync, where each sequence will stand known on the
     device alone (`SpecDecoder.launch_next`); the host emits and schedules while it runs. Outputs
-    are the same as without it; a step in which a sequence ends, or a waiting request could join, is
-    not overlapped.
+    are the same as without it. A sequence that ended meanwhile leaves its rows of the launched
+    verify unused; a launch that a waiting request could join is dropped, the step scheduled anew;
+    a batch with a sequence within two verifies of its max_tokens or max_model_len is not overlapped.
 
     warm_up: before the first request, run the step shapes that serving meets (see `warm_up`), so
     that no request waits for a CUDA graph capture or a Triton compile (default: on CUDA).
@@ -631,21 +633,24 @@ class LLM:
 
     def _overlapped_step(self, spec: SpecDecoder) -> tuple[SchedulerOutput | None, TargetPass | None]:
         """The step a verify launched before the last step's host sync computes (`_launch_next`),
-        and its forward, if it still holds: every sequence of it runs on with γ drafts held (none
-        ended, was aborted or preempted) and no waiting request could join. (None, None) otherwise: the step is
-        scheduled anew, and the KV that verify wrote past each sequence's computed positions is
-        written again."""
+        and its forward, if it still holds: no waiting request could join, and the sequences of it
+        that run on (those that ended or were aborted meanwhile leave their rows, computed in vain)
+        each hold γ drafts. (None, None) otherwise: the step is scheduled anew, and the KV that
+        verify wrote past each sequence's computed positions is written again."""
         launched, self._overlapped = self._overlapped, None
         if launched is None:
             return None, None
         seqs, target = launched
         gamma, held = spec.config.num_speculative_tokens, spec.draft_lengths()
-        if self._may_admit() or any(seq.status is not SequenceStatus.RUNNING or held.get(seq.seq_id) != gamma
-                                             or seq.num_tokens - seq.num_computed_tokens != 1 for seq in seqs):
+        going = [(b, seq) for b, seq in enumerate(seqs) if seq.status is SequenceStatus.RUNNING]
+        if not going or self._may_admit() or any(
+                held.get(seq.seq_id) != gamma or seq.num_tokens - seq.num_computed_tokens != 1 for _, seq in going):
             spec.overlapped_discarded += 1
             return None, None
-        return SchedulerOutput([ScheduledSeq(seq, seq.num_tokens - 1, 1, gamma) for seq in seqs], [],
-                               len(seqs) * (gamma + 1)), target
+        if len(going) < len(seqs):  # sequence b's rows stay where the launch put them: from row b·q
+            target = dataclasses.replace(target, first_rows=[b * target.q for b, _ in going])
+        return SchedulerOutput([ScheduledSeq(seq, seq.num_tokens - 1, 1, gamma) for _, seq in going], [],
+                               len(going) * (gamma + 1)), target
 
     def _emit(self, request: _Request, index: int, seq: Seq, tokens: list[int], logprobs: list[TokenLogprobs] | None,
               now: float) -> Delta:

@@ -392,7 +392,9 @@ class SpecDecoder:
             needed["rows"] = rows
         if any(k != width for k in lengths):
             needed["padded"], needed["num_drafts"] = padded, lengths
-        if target.q is None:  # the drafts' rows; past a chunk's drafts (ignored) its last verified row
+        if target.q is None or target.first_rows != [b * target.q for b in range(len(scheduled))]:
+            # the drafts' rows (of ragged rows, or of a verify graph's that some sequences left: an overlapped
+            # step's); past a chunk's drafts (ignored) its last verified row
             needed["drafts"] = [target.first_rows[b] + item.num_tokens - 1 + min(j + 1, item.num_draft_tokens)
                                 for b, item in chunks for j in range(width)]
         seqs = [item.seq for _, item in chunks]
@@ -444,9 +446,9 @@ class SpecDecoder:
         raw = self.model.compute_logits(hidden)  # [R, V]
         if "padded" in indices:
             raw = raw.index_select(0, indices["padded"])  # [B (K + 1), V]
-        if target.q is None:
+        if "drafts" in indices:
             drafted = target.input_ids.index_select(0, indices["drafts"]).view(bsz, width)  # [B, K]
-        else:  # the verify graph's rows: every chunk is a decode, its drafts after its token
+        else:  # the verify graph's rows, sequence b's from row b·q: every chunk is a decode, its drafts after its token
             assert bsz == len(scheduled), "a verify graph runs decodes only"
             drafted = target.input_ids.view(-1, target.q)[:bsz, 1 : width + 1]
         num_drafts = indices.get("num_drafts")  # None: every chunk verifies K drafts
