@@ -526,6 +526,24 @@ def test_an_overlapped_step_goes_on_without_the_sequence_that_ended(good_drafter
     assert spec.overlapped_discarded == 0 and spec.overlapped_steps > ended  # the others went on overlapped
 
 
+def test_an_acceptance_graph_that_cannot_be_captured_falls_back_to_the_eager_acceptance(good_drafter, monkeypatch,
+                                                                                        caplog):
+    from megactx.engine.spec_decode import AcceptGraphs
+
+    def refuse(*args):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(AcceptGraphs, "_build", refuse)
+    prompts = _prompts([5, 40])
+    want = LLM(good_drafter, device="cpu", num_blocks=32).generate(prompts, GREEDY, use_tqdm=False)
+    llm = _graphed(_spec(good_drafter))
+    with caplog.at_level("WARNING", logger="megactx"):
+        got = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert llm.spec._accepts.failed and "accepting eagerly from now on" in caplog.text
+    assert not any(k[0] == "accept" for k in llm.runner.graphs.graphs)
+
+
 def test_graphed_steps_equal_eager_steps_under_preemption(good_drafter):
     """As above with too few blocks and a small token budget: chunked prefills beside graphed
     decodes, a preempted sequence recomputed, then drafting again from graphs."""

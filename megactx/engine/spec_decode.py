@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -120,6 +121,8 @@ from megactx.model.paged import (
 if TYPE_CHECKING:
     from megactx.engine.model_runner import ModelRunner, StepGraphs
     from megactx.model.transformer import Transformer
+
+log = logging.getLogger("megactx")
 
 MTP_MODES = ("auto", "kvshare", "baseline")  # auto: the checkpoint's index_share_for_mtp_iteration
 DRAFT_ACCEPTANCE = ("rejection", "target-only")
@@ -737,8 +740,16 @@ class SpecDecoder:
             return None
         if self._accepts is None or self._accepts.graphs is not graphs:
             self._accepts = AcceptGraphs(self, graphs)
-        return self._accepts.run(bsz, width, tensors, gens,
-                                 None if tensors.all_greedy else self._draft_probs(chunks, width))
+        if self._accepts.failed:
+            return None
+        try:
+            return self._accepts.run(bsz, width, tensors, gens,
+                                     None if tensors.all_greedy else self._draft_probs(chunks, width))
+        except RuntimeError as e:  # a capture the device refused (run() captures before it takes any draw)
+            self._accepts.failed = True
+            log.warning("megactx: the acceptance graph could not be captured (%s); accepting eagerly from now on "
+                        "(same tokens, more host time a step)", e)
+            return None
 
     def _draft_graphs(self) -> DraftGraphs | None:
         """The draft graphs over the runner's graphs (None: the runner runs eagerly)."""
@@ -794,6 +805,7 @@ class AcceptGraphs:
         self.settings: SamplingTensors | None = None  # sampled: the rows' settings, filled from _filled
         self.draft_q: torch.Tensor | None = None  # [n, γ, V] fp32
         self._filled: SamplingTensors | None = None
+        self.failed = False  # a capture raised: SpecDecoder accepts eagerly instead
 
     def run(self, bsz: int, width: int, tensors: SamplingTensors, gens: list[RowGenerator | None],
             draft_q: torch.Tensor | None) -> tuple[torch.Tensor, VerifyResult] | None:
