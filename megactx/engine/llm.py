@@ -604,25 +604,18 @@ class LLM:
         verify drafts γ and verifies them next whatever it accepts now (its limits leave room), no
         waiting request could join the batch, and each one's blocks already cover, or get without
         preempting, the next verify's positions."""
-        sched, bm = self.scheduler, self.block_manager
+        sched = self.scheduler
         if not self.async_scheduling or self._may_admit():
             return
         gamma = spec.config.num_speculative_tokens
         if len(out.scheduled) * (gamma + 1) > sched.config.max_num_batched_tokens:
             return
+        # room for this step's γ + 1 tokens and the next step's γ drafts (max_draft_tokens then)
+        if any(item.num_draft_tokens != gamma or sched.draft_room(item.seq) < 2 * gamma + 1 for item in out.scheduled):
+            return
         worst = 2 * gamma + 2  # positions from this verify's first: its own, then the next's after all accepted
-        for item in out.scheduled:
-            seq = item.seq
-            # room for this step's γ + 1 tokens and the next step's γ drafts + 1 (max_draft_tokens then)
-            room = min(seq.sampling_params.max_tokens - seq.num_output_tokens,
-                       sched.config.max_model_len - seq.num_tokens) - 1
-            if item.num_draft_tokens != gamma or room < 2 * gamma + 1:
-                return
-        for item in out.scheduled:
-            if not bm.has_slots(item.seq, worst):
-                if not bm.can_append(item.seq, worst):
-                    return
-                bm.append_slots(item.seq, worst)
+        if not all(sched.reserve_ahead(item.seq, worst) for item in out.scheduled):
+            return
         target = spec.launch_next(out.scheduled, result)
         if target is not None:
             self._overlapped = ([item.seq for item in out.scheduled], target)

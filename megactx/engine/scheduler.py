@@ -148,9 +148,25 @@ class Scheduler:
         """Draft tokens a verify of `seq` could use now: at most num_speculative_tokens, and few
         enough that the accepted drafts plus the token after them stay within max_tokens and
         max_model_len (the engine stops a sequence there). 0 when nothing can be gained."""
-        cfg = self.config
-        room = min(seq.sampling_params.max_tokens - seq.num_output_tokens, cfg.max_model_len - seq.num_tokens) - 1
-        return max(0, min(cfg.num_speculative_tokens, room))
+        return max(0, min(self.config.num_speculative_tokens, self.draft_room(seq)))
+
+    def draft_room(self, seq: Sequence) -> int:
+        """Draft tokens whose acceptance, with the token after them, keeps `seq` within max_tokens
+        and max_model_len (unbounded by γ; may be negative)."""
+        left = min(seq.sampling_params.max_tokens - seq.num_output_tokens, self.config.max_model_len - seq.num_tokens)
+        return left - 1
+
+    def reserve_ahead(self, seq: Sequence, n: int) -> bool:
+        """Slots for the next n positions of running `seq` without preempting anyone (a step launched
+        before the host knows where its sequences stand: LLM's overlapped speculative steps). False
+        if the pool lacks them. Slots past seq's tokens go back at the next schedule()."""
+        bm = self.block_manager
+        if bm.has_slots(seq, n):
+            return True
+        if not bm.can_append(seq, n):
+            return False
+        bm.append_slots(seq, n)
+        return True
 
     def _slots(self, seq: Sequence, num_positions: int) -> int:
         """Slots a chunk of num_positions positions reserves: those plus the lookahead slots,

@@ -404,12 +404,12 @@ class SpecDecoder:
         tensors = self._verify_sampling.get(seqs, device, vocab, self.eos_token_ids)
         graphed = None
         if not needed and not (tensors.any_penalties or tensors.any_min_tokens):  # a verify graph's rows as they are
-            graphed = self._accept_graphs(bsz, width, tensors, seqs, [item for _, item in chunks], generators)
+            graphed = self._accept_graphs(bsz, width, tensors, [item for _, item in chunks], generators)
         if graphed is not None:
             raw, result = graphed
             raw = raw[: len(rows)]  # the verified rows' logits, in order (for logprobs)
         else:
-            raw, result = self._accept(scheduled, chunks, target, width, rows, needed, tensors, generators)
+            raw, result = self._accept(scheduled, chunks, seqs, target, width, rows, needed, tensors, generators)
         # the step's host sync, one copy: row b holds its num_accepted + 1 tokens, then PAD_ID. Queued
         # first, so that a graphed step's drafts follow the verify on the device while the host waits
         copy = HostCopy(result.tokens)
@@ -438,9 +438,9 @@ class SpecDecoder:
                                           logprobs[b] if logprobs is not None else None)
         return emitted
 
-    def _accept(self, scheduled: Sequence[ScheduledSeq], chunks: list[tuple[int, ScheduledSeq]], target: TargetPass,
-                width: int, rows: list[int], needed: dict[str, list[int]], tensors: SamplingTensors,
-                generators: Mapping[int, RowGenerator]) -> tuple[torch.Tensor, VerifyResult]:
+    def _accept(self, scheduled: Sequence[ScheduledSeq], chunks: list[tuple[int, ScheduledSeq]], seqs: list[Seq],
+                target: TargetPass, width: int, rows: list[int], needed: dict[str, list[int]],
+                tensors: SamplingTensors, generators: Mapping[int, RowGenerator]) -> tuple[torch.Tensor, VerifyResult]:
         """verify()'s acceptance, eagerly: -> (logits of the verified rows [R, V] fp32, the result)."""
         device, vocab, bsz = target.hidden.device, self.vocab_size, len(chunks)
         indices = dict(zip(needed, to_device_packed([np.array(v, dtype=np.int64) for v in needed.values()], device)
@@ -456,7 +456,6 @@ class SpecDecoder:
             drafted = target.input_ids.view(-1, target.q)[:bsz, 1 : width + 1]
         num_drafts = indices.get("num_drafts")  # None: every chunk verifies K drafts
 
-        seqs = [item.seq for _, item in chunks]
         if not tensors.all_greedy or tensors.any_min_tokens or tensors.any_penalties:  # a row a position
             tensors = self._per_position(tensors, width)
         processed = raw
@@ -727,15 +726,14 @@ class SpecDecoder:
         for b, (seq, k) in enumerate(zip(plan.seqs, plan.steps)):
             self.drafts[seq.seq_id] = Draft(tokens[b, :k], None if probs is None else probs[b, :k], host, b, probs)
 
-    def _accept_graphs(self, bsz: int, width: int, tensors: SamplingTensors, seqs: list[Seq],
-                       chunks: list[ScheduledSeq], generators: Mapping[int, RowGenerator]
-                       ) -> tuple[torch.Tensor, VerifyResult] | None:
+    def _accept_graphs(self, bsz: int, width: int, tensors: SamplingTensors, chunks: list[ScheduledSeq],
+                       generators: Mapping[int, RowGenerator]) -> tuple[torch.Tensor, VerifyResult] | None:
         """The acceptance of a graphed verify's rows as one graph (`AcceptGraphs`), where it can be:
         every row verifies `width` >= 1 drafts, and greedily or from its request's random stream."""
         graphs = self.runner.graphs
         if graphs is None or width < 1:
             return None
-        gens = [generators.get(s.seq_id) for s in seqs]
+        gens = [generators.get(item.seq.seq_id) for item in chunks]
         if not tensors.all_greedy and not all(isinstance(g, RowGenerator) for g in gens):
             return None
         if self._accepts is None or self._accepts.graphs is not graphs:
@@ -778,6 +776,31 @@ class _DraftPlan:
 SETTINGS_FIELDS = ("temperature", "top_k", "top_p", "min_p")  # what process_logits reads of SamplingTensors
 
 
+def sampling_stages(t: SamplingTensors) -> tuple[bool, bool, bool, bool]:
+    """The sampling stages a batch uses (process_logits' host flags): one graph for each set."""
+    return t.any_greedy, t.any_top_k, t.any_top_p, t.any_min_p
+
+
+class StaticSettings:
+    """A graph's sampling settings: a static SamplingTensors of n rows (temperature 1, no truncation
+    until filled), whose rows are filled from a batch's before a replay."""
+
+    def __init__(self, n: int, device: torch.device | str, vocab_size: int):
+        self.tensors = SamplingTensors.from_params([SamplingParams()] * n, device, vocab_size)
+
+    def fill(self, rows: torch.Tensor, tensors: SamplingTensors) -> None:
+        """Rows `rows` [B] of the static settings <- the B rows of `tensors` (process_logits' fields)."""
+        for name in SETTINGS_FIELDS:
+            getattr(self.tensors, name).index_copy_(0, rows, getattr(tensors, name))
+
+    def view(self, bs: int, stages: tuple[bool, bool, bool, bool]) -> SamplingTensors:
+        """The first bs rows as process_logits sees them in a graph of the sampling stages `stages`."""
+        any_greedy, any_top_k, any_top_p, any_min_p = stages
+        rows = {name: getattr(self.tensors, name)[:bs] for name in SETTINGS_FIELDS}
+        return dataclasses.replace(self.tensors, **rows, any_greedy=any_greedy, any_top_k=any_top_k,
+                                   any_top_p=any_top_p, any_min_p=any_min_p, all_greedy=False)
+
+
 class AcceptGraphs:
     """verify()'s acceptance as one graph after a graphed verify whose rows all verify K drafts (most
     steps), keyed ("accept", batch bucket, K, which): the logits of the verify graph's rows, then
@@ -802,7 +825,7 @@ class AcceptGraphs:
                                       "noise": ((n,), torch.long)}, dev)
         self.tokens = torch.zeros(n, self.q, dtype=torch.long, device=dev)
         self.num_accepted = torch.zeros(n, dtype=torch.long, device=dev)
-        self.settings: SamplingTensors | None = None  # sampled: the rows' settings, filled from _filled
+        self.settings: StaticSettings | None = None  # sampled: the rows' settings, those of _filled
         self.draft_q: torch.Tensor | None = None  # [n, γ, V] fp32
         self._filled: SamplingTensors | None = None
         self.failed = False  # a capture raised: SpecDecoder accepts eagerly instead
@@ -819,8 +842,7 @@ class AcceptGraphs:
         if tensors.all_greedy:
             which = "greedy"
         else:
-            which = ("sampled", tensors.any_greedy, tensors.any_top_k, tensors.any_top_p, tensors.any_min_p,
-                     draft_q is not None)
+            which = ("sampled", *sampling_stages(tensors), draft_q is not None)
         graph = self.graphs.captured(("accept", bs, width, which), lambda: self._build(bs, width, which), lambda: None)
         if not tensors.all_greedy:
             host = self.streams.host()
@@ -832,9 +854,7 @@ class AcceptGraphs:
                 g.offset += gamma + vocab
             self.streams.send()
             if self._filled is not tensors:
-                rows = torch.arange(bsz, device=self.tokens.device)
-                for name in SETTINGS_FIELDS:
-                    getattr(self.settings, name).index_copy_(0, rows, getattr(tensors, name))
+                self.settings.fill(torch.arange(bsz, device=self.tokens.device), tensors)
                 self._filled = tensors
             if draft_q is not None:
                 self.draft_q[:bsz, :width].copy_(draft_q)
@@ -857,15 +877,14 @@ class AcceptGraphs:
                 return logits
 
             return accept
-        _, any_greedy, any_top_k, any_top_p, any_min_p, has_q = which
+        _, *stages, has_q = which
         n, dev = graphs.max_num_seqs, self.tokens.device
         if self.settings is None:
-            self.settings = SamplingTensors.from_params([SamplingParams()] * n, dev, vocab)
+            self.settings = StaticSettings(n, dev, vocab)
         if has_q and self.draft_q is None:
             self.draft_q = torch.zeros(n, q - 1, vocab, device=dev)
         positions = torch.arange(bs, device=dev).repeat_interleave(width + 1)  # each row's settings a position
-        settings = dataclasses.replace(self.settings, any_greedy=any_greedy, any_top_k=any_top_k, any_top_p=any_top_p,
-                                       any_min_p=any_min_p, all_greedy=False)
+        settings = self.settings.view(bs, tuple(stages))
         fields = self.streams.device
         keys, uniform_at, noise_at = fields["keys"][:bs], fields["uniforms"][:bs], fields["noise"][:bs]
         draft_q = self.draft_q[:bs, :width] if has_q else None
@@ -952,7 +971,7 @@ class DraftGraphs:
         self.seq_idx = torch.arange(n, dtype=torch.int32, device=dev)
         # the sampled loop's sampling settings (benign on rows that draft nothing: their tokens are
         # dropped), and the q each draft was drawn from; at first use
-        self.settings: SamplingTensors | None = None
+        self.settings: StaticSettings | None = None
         self.probs: torch.Tensor | None = None  # [n, γ, V] fp32
         self._filled: tuple[SamplingTensors, list[int]] | None = None  # whose keys and settings the rows hold
         self.early_rounds = 0  # draft rounds run before the verify's host sync (run(accepted=...))
@@ -1034,8 +1053,7 @@ class DraftGraphs:
         self.early_rounds += early
         if sampled_loop:
             if new_streams:
-                for name in SETTINGS_FIELDS:
-                    getattr(self.settings, name).index_copy_(0, member_rows, getattr(plan.tensors, name))
+                self.settings.fill(member_rows, plan.tensors)
             graphs[0].replay()
             keep(plan, self.tokens.index_select(0, member_rows), self.probs.index_select(0, member_rows))
             return True
@@ -1072,8 +1090,7 @@ class DraftGraphs:
         set of the sampling stages the drafting requests use (process_logits' host flags)."""
         if plan.greedy:
             return "loop"
-        t = plan.tensors
-        return ("sampled", t.any_greedy, t.any_top_k, t.any_top_p, t.any_min_p)
+        return ("sampled", *sampling_stages(plan.tensors))
 
     def _stage_streams(self, plan: _DraftPlan, host: dict[str, np.ndarray]) -> bool:
         """The sampled loop's streams for the drafting sequences' rows, into the host twin (then
@@ -1103,7 +1120,7 @@ class DraftGraphs:
         if self.probs is not None:
             return
         n, dev, vocab = self.graphs.max_num_seqs, self.runner.device, self.spec.vocab_size
-        self.settings = SamplingTensors.from_params([SamplingParams()] * n, dev, vocab)
+        self.settings = StaticSettings(n, dev, vocab)
         self.probs = torch.zeros(n, self.gamma, vocab, device=dev)
 
     def _build(self, bs: int, max_keys: int, which: int | str | tuple) -> Callable[[], torch.Tensor | None]:
@@ -1120,10 +1137,7 @@ class DraftGraphs:
         # sampled drafts: process_logits and the exponential race of `sample`, the noise of draft
         # step j being the next vocabulary of each row's stream, as the eager loop draws it
         self._sampling_buffers()
-        _, any_greedy, any_top_k, any_top_p, any_min_p = which
-        rows = {name: getattr(self.settings, name)[:bs] for name in SETTINGS_FIELDS}  # views: filled before replays
-        settings = dataclasses.replace(self.settings, **rows, any_greedy=any_greedy, any_top_k=any_top_k,
-                                       any_top_p=any_top_p, any_min_p=any_min_p, all_greedy=False)
+        settings = self.settings.view(bs, which[1:])  # views: filled before replays
         vocab, keys, offsets = self.spec.vocab_size, self.keys[:bs], self.offsets[:bs]
 
         def sampled_loop() -> None:
