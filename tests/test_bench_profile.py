@@ -96,8 +96,8 @@ def test_timed_replays_time_each_graph_kind_and_give_the_graphs_back():
     from megactx.engine.model_runner import Graph
 
     calls = []
-    graphs = SimpleNamespace(graphs={("verify", 1, 64): Graph(lambda: calls.append("v"), None),
-                                     ("draft", 1, 64, "loop"): Graph(lambda: calls.append("d"), None)})
+    graphs = SimpleNamespace(graphs={("verify", 1, 64): Graph(lambda: calls.append("v"), None, lambda: None),
+                                     ("draft", 1, 64, "loop"): Graph(lambda: calls.append("d"), None, lambda: None)})
     own = {key: graph.replay for key, graph in graphs.graphs.items()}
     with timed_replays(graphs) as times:
         for _ in range(3):

@@ -507,6 +507,28 @@ def test_eager_capture_replays_into_the_captured_outputs():
     assert doubled.tolist() == [2, 4, 6] and plus_one.tolist() == [2, 3, 4]
 
 
+@pytest.mark.gpu
+def test_a_cuda_graph_keeps_the_tensors_only_its_function_held():
+    """A graph reads its inputs at their addresses: an index tensor made for it, held by nothing
+    but the captured function, must outlive the capture (an acceptance graph's did not, and its
+    replays read whatever memory took the index's: a device-side assert, 2026-12-05)."""
+    from megactx.engine.model_runner import CudaGraphCapture
+
+    src = torch.arange(8, device="cuda", dtype=torch.float32)
+
+    def build():
+        idx = torch.arange(4, device="cuda").repeat_interleave(2)  # [0, 0, 1, 1, ...]: only the closure holds it
+        return lambda: src.index_select(0, idx) * 2
+
+    graph = CudaGraphCapture().capture(build())
+    junk = [torch.full((1024,), 10**6, device="cuda", dtype=torch.long) for _ in range(64)]  # takes freed memory
+    src.add_(1)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert graph.outputs.tolist() == [2, 2, 4, 4, 6, 6, 8, 8]
+    del junk
+
+
 @pytest.mark.usefixtures("one_torch_thread")
 def test_graphed_decode_equals_eager_decode(model):
     """Decode steps replayed through the graph machinery (EagerCapture on a CPU: batch and key

@@ -237,11 +237,15 @@ def input_ids_on_device(ids: Sequence[int], device_tokens: DeviceTokens | None, 
 # ---------------------------------------------------------------------------------- graphs
 class Graph:
     """A captured step. replay() recomputes `outputs` — what the captured function returned:
-    a tensor, a tuple of tensors, or None — in place, from the static buffers the function reads."""
+    a tensor, a tuple of tensors, or None — in place, from the static buffers the function reads.
+    It holds the function, and so every tensor the function reads: a CUDA graph reads them at
+    their addresses, and one that only the function's closure held (an index tensor made for the
+    graph, say) would be freed after the capture and its memory taken by others."""
 
-    def __init__(self, replay: Callable[[], None], outputs: Any):
+    def __init__(self, replay: Callable[[], None], outputs: Any, fn: Callable[[], Any]):
         self.replay = replay
         self.outputs = outputs
+        self.fn = fn
 
 
 class Capture(Protocol):
@@ -282,7 +286,7 @@ class CudaGraphCapture:
             if collecting:
                 gc.enable()
         self.pool = graph.pool()
-        return Graph(graph.replay, outputs)
+        return Graph(graph.replay, outputs, fn)
 
 
 class EagerCapture:
@@ -300,7 +304,7 @@ class EagerCapture:
             for held, new in zip(_tensors(outputs), _tensors(fn()), strict=True):
                 held.copy_(new)
 
-        return Graph(replay, outputs)
+        return Graph(replay, outputs, fn)
 
 
 def _tensors(outputs: Any) -> list[torch.Tensor]:
