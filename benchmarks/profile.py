@@ -145,14 +145,19 @@ def timed_replays(graphs):
             graph.replay = replay
 
 
-def graphs_alone(graphs, reps: int = 20) -> list[dict[str, Any]]:
+def graphs_alone(graphs, reps: int = 20, kernel_reps: int = 3) -> list[dict[str, Any]]:
     """Each CUDA graph of `graphs` (a runner's StepGraphs, or None) replayed alone, `reps` times, the
     device idle before each: medians of the host's time in replay() and of the device's time from
-    launch to end (CUDA events around it) -> [{"graph", "host_us", "device_us"}], in key order. What
-    a step's graphs cost the device by themselves, and their launches the host outside a step. Run
-    after the engine's work: a replay recomputes the graph's last inputs (the same KV again)."""
+    launch to end (CUDA events around it); then `kernel_reps` replays under torch.profiler, for the
+    kernels one replay runs -> [{"graph", "kind", "batch", "keys", "host_us", "device_us", "kernels"
+    (a replay), "by_kernel" (name -> [calls, device µs] a replay)}], in key order. What a step's
+    graphs cost the device by themselves, their launches the host outside a step, and what one
+    graph runs that another does not (`kernels_beyond`). Run after the engine's work: a replay
+    recomputes the graph's last inputs (the same KV again)."""
     if graphs is None or not torch.cuda.is_available():
         return []
+    from torch.profiler import ProfilerActivity, profile
+
     rows = []
     for key, graph in sorted(graphs.graphs.items(), key=lambda kv: str(kv[0])):
         host, device = [], []
@@ -166,8 +171,55 @@ def graphs_alone(graphs, reps: int = 20) -> list[dict[str, Any]]:
             end.record()
             torch.cuda.synchronize()
             device.append(1e3 * start.elapsed_time(end))
-        rows.append({"graph": str(key), "host_us": statistics.median(host), "device_us": statistics.median(device)})
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(kernel_reps):
+                graph.replay()
+            torch.cuda.synchronize()
+        by_kernel: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+        for e in prof.events():
+            if is_kernel(e):
+                by_kernel[e.name][0] += 1 / kernel_reps
+                by_kernel[e.name][1] += e.time_range.elapsed_us() / kernel_reps
+        rows.append({"graph": str(key), "kind": key[0], "batch": key[1], "keys": key[2] if len(key) > 2 else None,
+                     "host_us": statistics.median(host), "device_us": statistics.median(device),
+                     "kernels": sum(n for n, _ in by_kernel.values()), "by_kernel": dict(by_kernel)})
     return rows
+
+
+def kernels_beyond(rows: list[dict[str, Any]], bases: list[dict[str, Any]], kind: str = "verify",
+                   base: str = "decode", top: int = 10) -> list[dict[str, Any]]:
+    """For each `kind` graph of graphs_alone's rows, the kernels it runs beyond the `base` graph of
+    its batch among `bases` (graphs_alone's rows of any engine: a speculative engine has no decode
+    graph of its own; the nearest key bucket): [{"graph", "base", "rows": [{"kernel", "base_calls",
+    "base_us", "calls", "us"}] the `top` kernels by the device time added, most first, then an
+    "other (n)" row, "added_us" (all kernels')}]. Why a verify of q rows a sequence costs more than
+    a decode."""
+    out = []
+    for row in rows:
+        if row.get("kind") != kind or not row.get("by_kernel"):
+            continue
+        same = [b for b in bases if b.get("kind") == base and b.get("batch") == row["batch"] and b.get("by_kernel")]
+        if not same:
+            continue
+        other = min(same, key=lambda b: abs((b.get("keys") or 0) - (row.get("keys") or 0)))
+        names = set(row["by_kernel"]) | set(other["by_kernel"])
+        diff = [{"kernel": name, "base_calls": other["by_kernel"].get(name, [0, 0.0])[0],
+                 "base_us": other["by_kernel"].get(name, [0, 0.0])[1], "calls": row["by_kernel"].get(name, [0, 0.0])[0],
+                 "us": row["by_kernel"].get(name, [0, 0.0])[1]} for name in names]
+        diff.sort(key=lambda d: (-(d["us"] - d["base_us"]), d["kernel"]))
+        head, rest = diff[:top], diff[top:]
+        if rest:
+            head.append({"kernel": f"other ({len(rest)})", **{f: sum(d[f] for d in rest)
+                                                               for f in ("base_calls", "base_us", "calls", "us")}})
+        out.append({"graph": row["graph"], "base": other["graph"], "rows": head,
+                    "added_us": sum(d["us"] - d["base_us"] for d in diff)})
+    return out
+
+
+def is_kernel(e) -> bool:
+    """A profiler event is a kernel's (or a copy's) on the device, not a range's shadow on the GPU
+    timeline (a phase's, say: the kernels in it count)."""
+    return e.device_type.name == "CUDA" and not getattr(e, "is_user_annotation", False)
 
 
 def timed_steps(warm: list[dict], timed: list[dict], wall_s: float, slowest: int = 5) -> dict[str, Any]:
@@ -194,12 +246,11 @@ def breakdown(events, steps: int, top: int) -> dict[str, Any]:
     phases: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])  # first seen first: step order
     busy, spans = [], []  # the kernels' (start, end) and the phases' (start, end, name), µs
     for e in events:
-        on_device = e.device_type.name == "CUDA"
-        if on_device and getattr(e, "is_user_annotation", False):
-            continue  # a range's shadow on the GPU timeline (a phase's, say): the kernels in it count
-        if on_device:
+        if is_kernel(e):
             row = kernels[e.name]
             busy.append((e.time_range.start, e.time_range.end))
+        elif e.device_type.name == "CUDA":
+            continue  # a range's shadow on the GPU timeline (is_kernel)
         elif e.name.startswith(PHASE_PREFIX):
             row = phases[e.name.removeprefix(PHASE_PREFIX)]
             spans.append((e.time_range.start, e.time_range.end, e.name.removeprefix(PHASE_PREFIX)))
@@ -393,9 +444,9 @@ def _phase_table(e: dict[str, Any]) -> str:
     return md_table(["part", "calls a step", "µs a step", "device idle under it, µs a step"], body)
 
 
-def _timed_lines(e: dict[str, Any]) -> list[str]:
+def _timed_lines(e: dict[str, Any], graphs: list[dict[str, Any]]) -> list[str]:
     """The timed run beyond its median step (timed_steps) and its graph launches (timed_replays),
-    for a report's engine section."""
+    for a report's engine section; graphs: every engine's graphs replayed alone."""
     if "steps_ms" not in e:
         return []
     launches = []
@@ -405,10 +456,19 @@ def _timed_lines(e: dict[str, Any]) -> list[str]:
                              [[f"`{r['kind']}`", fmt_num(r["replays_per_step"]), fmt_num(r["host_us_per_replay"])]
                               for r in e["graph_replays"]]), ""]
     if e.get("graphs_alone"):
-        launches += ["Each CUDA graph replayed alone after the runs (the device idle before; medians of 20):", "",
-                     md_table(["graph (kind, batch or rows, keys, ...)", "host µs a launch", "device µs"],
-                              [[f"`{r['graph']}`", fmt_num(r["host_us"]), fmt_num(r["device_us"])]
-                               for r in e["graphs_alone"]]), ""]
+        launches += ["Each CUDA graph replayed alone after the runs (the device idle before; medians of 20; "
+                     "its kernels from 3 more replays under the profiler):", "",
+                     md_table(["graph (kind, batch or rows, keys, ...)", "host µs a launch", "device µs",
+                               "kernels a replay"],
+                              [[f"`{r['graph']}`", fmt_num(r["host_us"]), fmt_num(r["device_us"]),
+                                fmt_num(r["kernels"]) if "kernels" in r else "–"] for r in e["graphs_alone"]]), ""]
+        for d in kernels_beyond(e["graphs_alone"], graphs):
+            launches += [f"What `{d['graph']}` runs beyond `{d['base']}` (a replay each, the kernels by the device "
+                         f"time they add, most first; {fmt_num(d['added_us'])} µs added in all):", "",
+                         md_table(["kernel", "calls (decode)", "µs (decode)", "calls", "µs", "µs added"],
+                                  [[f"`{r['kernel'][:90]}`", fmt_num(r["base_calls"]), fmt_num(r["base_us"]),
+                                    fmt_num(r["calls"]), fmt_num(r["us"]), fmt_num(r["us"] - r["base_us"])]
+                                   for r in d["rows"]]), ""]
     slow = "; ".join(f"step {r['step']}: {fmt_num(r['ms'])} ms ({r['tokens']} tokens"
                      + (", a prefill" if r.get("prefill") else "") + (f", {r['captured']} graph(s) captured"
                                                                       if r.get("captured") else "") + ")"
@@ -450,8 +510,9 @@ def render_markdown(results: dict[str, Any]) -> str:
                         fmt_num(e["output_tokens"] / e["wall_s"])])
     lines += [md_table(["γ", "steps", "wall ms a step", "median step ms", "device ms a step", "device busy",
                         "kernels a step", "acceptance length", "output tokens/s"], summary), ""]
+    graphs = [r for e in results["engines"] for r in e.get("graphs_alone", [])]
     for e in results["engines"]:
-        lines += [f"## γ = {e['gamma']}", ""] + _timed_lines(e) + [
+        lines += [f"## γ = {e['gamma']}", ""] + _timed_lines(e, graphs) + [
                   "Parts of a step (host spans, profiled; a part that waits for the device "
                   "includes the wait" + ("; the profiler slows CUDA graph launches, so the device's idle time "
                                          "under a part that launches one is larger than in the timed run: "

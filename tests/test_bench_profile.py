@@ -167,10 +167,20 @@ def test_profile_runs_the_engines_and_writes_the_reports(ckpt, tmp_path, capsys)
                                 "graphs_alone": [{"graph": "('verify', 1, 4096)", "host_us": 17.0,
                                                   "device_us": 1200.0}]}
     assert "| `verify` | 1 | 250 |" in render_markdown(gpu)
-    assert "| `('verify', 1, 4096)` | 17 | 1,200 |" in render_markdown(gpu)
+    assert "| `('verify', 1, 4096)` | 17 | 1,200 | – |" in render_markdown(gpu)  # a JSON from before the kernels
+    gpu["engines"][0] = plain | {"graphs_alone": [  # the plain engine's decode graph, the verify's base
+        {"graph": "('decode', 1, 4096)", "kind": "decode", "batch": 1, "keys": 4096, "host_us": 15.0,
+         "device_us": 900.0, "kernels": 2, "by_kernel": {"gemm": [1, 500.0], "norm": [1, 300.0]}}]}
+    gpu["engines"][1]["graphs_alone"] = [
+        {"graph": "('verify', 1, 4096)", "kind": "verify", "batch": 1, "keys": 4096, "host_us": 17.0,
+         "device_us": 1200.0, "kernels": 3, "by_kernel": {"gemm": [1, 600.0], "norm": [1, 300.0], "sgemm": [1, 200.0]}}]
+    md = render_markdown(gpu)
+    assert "| `('verify', 1, 4096)` | 17 | 1,200 | 3 |" in md
+    assert "What `('verify', 1, 4096)` runs beyond `('decode', 1, 4096)`" in md and "300 µs added in all" in md
+    assert "| `sgemm` | 0 | 0 | 1 | 200 | 200 |" in md
     again = tmp_path / "again"
     assert main(["bench", "profile", "--from-json", str(tmp_path / "profile-cpu.json"), "--out", str(again)]) == 0
-    assert (again / "profile-cpu.md").read_text() == md
+    assert (again / "profile-cpu.md").read_text() == (tmp_path / "profile-cpu.md").read_text()
 
 
 def test_profile_of_a_prefill(ckpt, tmp_path):
@@ -218,3 +228,42 @@ def test_profile_refuses_bad_arguments(ckpt, tmp_path, capsys, extra, says):
     assert main(_args(ckpt, tmp_path, *extra)) == 2
     assert says in capsys.readouterr().err
     assert not (tmp_path / "profile-cpu.json").exists()
+
+
+def test_kernels_beyond_the_decode_graph():
+    """A verify graph's kernels against the decode graph of its batch and nearest key bucket: the
+    kernels by the device time they add, most first, the rest in one row, the total added."""
+    from benchmarks.profile import kernels_beyond
+
+    def row(kind, batch, keys, by_kernel):
+        return {"graph": str((kind, batch, keys)), "kind": kind, "batch": batch, "keys": keys, "by_kernel": by_kernel}
+
+    rows = [row("decode", 1, 321, {"gemm": [16, 100.0], "norm": [32, 50.0], "topk": [4, 20.0]}),
+            row("decode", 1, 1024, {"gemm": [16, 999.0]}),  # a farther key bucket
+            row("decode", 2, 321, {"gemm": [16, 0.0]}),  # another batch
+            row("verify", 1, 324, {"gemm": [16, 130.0], "norm": [32, 50.0], "sgemm": [16, 60.0]}),
+            row("draft", 1, 324, {"gemm": [3, 10.0]})]
+    (d,) = kernels_beyond(rows, rows, top=1)
+    assert d["graph"] == "('verify', 1, 324)" and d["base"] == "('decode', 1, 321)"
+    assert d["rows"] == [{"kernel": "sgemm", "base_calls": 0, "base_us": 0.0, "calls": 16, "us": 60.0},
+                         {"kernel": "other (3)", "base_calls": 52, "base_us": 170.0, "calls": 48, "us": 180.0}]
+    assert d["added_us"] == 70.0
+    assert kernels_beyond(rows[3:4], rows[:3], top=1) == [d]  # the decode graphs of another engine
+    assert kernels_beyond(rows[1:3] + rows[4:], rows) == []  # no verify graph
+
+
+@pytest.mark.gpu
+def test_profile_on_a_gpu_lists_each_graphs_kernels(ckpt, tmp_path):
+    """On CUDA every graph replayed alone lists the kernels of one replay, and the report shows
+    what the verify graph runs beyond the decode graph of its batch."""
+    args = _args(ckpt, tmp_path, "--num-speculative-tokens", "0,2", "--temperature", "0")
+    args[args.index("--device") + 1] = "cuda"
+    assert main(args) == 0
+    (path,) = tmp_path.glob("profile-*.json")
+    plain, spec = json.loads(path.read_text())["engines"]
+    for e in (plain, spec):
+        assert e["graphs_alone"] and all(r["kernels"] > 0 and r["by_kernel"] for r in e["graphs_alone"])
+        for r in e["graphs_alone"]:
+            assert sum(n for n, _ in r["by_kernel"].values()) == pytest.approx(r["kernels"])
+    assert {r["kind"] for r in spec["graphs_alone"]} >= {"verify", "draft"}
+    assert "runs beyond `('decode', 1," in path.with_suffix(".md").read_text()  # the plain engine's graph
