@@ -569,8 +569,14 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     ratios = [(r, f) for r, f in ratios if r is not None]
     if ratios:
         r, f = max(ratios, key=lambda x: x[0])
+        a, bound = f.mean_acceptance_length, ""
+        if a and r < TARGET_SPEEDUP:  # what bounds it: a step's cost against the tokens it emits
+            cost = a / r  # this γ's step, in steps without speculation
+            bound = (f"a step at γ = {f.gamma} costs {cost:.2f} steps without speculation, so "
+                     f"{TARGET_SPEEDUP:.0f}x needs an acceptance length of {TARGET_SPEEDUP * cost:.2f}; it is {a:.2f}")
         rows.append(_target(t, f"{r:.2f}x at γ = {f.gamma} ({fmt_num(f.tokens_per_s)} tokens/s)",
-                            f">= {TARGET_SPEEDUP:.0f}x", None if undecided else r >= TARGET_SPEEDUP, undecided))
+                            f">= {TARGET_SPEEDUP:.0f}x", None if undecided else r >= TARGET_SPEEDUP,
+                            "; ".join(x for x in (undecided, bound) if x)))
     else:
         rows.append(_target(t, "–", f">= {TARGET_SPEEDUP:.0f}x", None,
                             f"batch {b} not in this run" if b not in s["batches"] else "not run"))

@@ -338,6 +338,9 @@ def test_targets_fail_on_a_falling_rung_or_too_little_speed_up():
     assert [t["passed"] for t in targets] == [False, False, True]
     md = render_markdown(_results((4.56, 4.40, 5.29), speed=1.5), targets)
     assert md.count("**FAIL**") == 2
+    # what bounds the speed-up: the best γ's step (acceptance length 5.29 at 1.5x) costs 5.29 / 1.5 = 3.53
+    # steps without speculation, so 2x needs an acceptance length of 7.05
+    assert "costs 3.53 steps without speculation, so 2x needs an acceptance length of 7.05; it is 5.29" in md
     # a rung a hair below the one under it fails with figures that show the difference
     results = _results((4.56, 4.56, 5.29), speed=2.5)
     for run in results["runs"]:
