@@ -457,11 +457,15 @@ def _timed_lines(e: dict[str, Any], graphs: list[dict[str, Any]]) -> list[str]:
                               for r in e["graph_replays"]]), ""]
     if e.get("graphs_alone"):
         launches += ["Each CUDA graph replayed alone after the runs (the device idle before; medians of 20; "
-                     "its kernels from 3 more replays under the profiler):", "",
+                     "device µs from an event before the launch to one after it, so a large graph's launch "
+                     "latency is in it; its kernels and their summed time from 3 more replays under the "
+                     "profiler):", "",
                      md_table(["graph (kind, batch or rows, keys, ...)", "host µs a launch", "device µs",
-                               "kernels a replay"],
+                               "kernels a replay", "kernel µs a replay"],
                               [[f"`{r['graph']}`", fmt_num(r["host_us"]), fmt_num(r["device_us"]),
-                                fmt_num(r["kernels"]) if "kernels" in r else "–"] for r in e["graphs_alone"]]), ""]
+                                fmt_num(r["kernels"]) if "kernels" in r else "–",
+                                fmt_num(sum(us for _, us in r["by_kernel"].values())) if "by_kernel" in r else "–"]
+                               for r in e["graphs_alone"]]), ""]
         for d in kernels_beyond(e["graphs_alone"], graphs):
             launches += [f"What `{d['graph']}` runs beyond `{d['base']}` (a replay each, the kernels by the device "
                          f"time they add, most first; {fmt_num(d['added_us'])} µs added in all):", "",

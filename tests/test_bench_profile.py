@@ -167,7 +167,7 @@ def test_profile_runs_the_engines_and_writes_the_reports(ckpt, tmp_path, capsys)
                                 "graphs_alone": [{"graph": "('verify', 1, 4096)", "host_us": 17.0,
                                                   "device_us": 1200.0}]}
     assert "| `verify` | 1 | 250 |" in render_markdown(gpu)
-    assert "| `('verify', 1, 4096)` | 17 | 1,200 | – |" in render_markdown(gpu)  # a JSON from before the kernels
+    assert "| `('verify', 1, 4096)` | 17 | 1,200 | – | – |" in render_markdown(gpu)  # a JSON from before the kernels
     gpu["engines"][0] = plain | {"graphs_alone": [  # the plain engine's decode graph, the verify's base
         {"graph": "('decode', 1, 4096)", "kind": "decode", "batch": 1, "keys": 4096, "host_us": 15.0,
          "device_us": 900.0, "kernels": 2, "by_kernel": {"gemm": [1, 500.0], "norm": [1, 300.0]}}]}
@@ -175,7 +175,7 @@ def test_profile_runs_the_engines_and_writes_the_reports(ckpt, tmp_path, capsys)
         {"graph": "('verify', 1, 4096)", "kind": "verify", "batch": 1, "keys": 4096, "host_us": 17.0,
          "device_us": 1200.0, "kernels": 3, "by_kernel": {"gemm": [1, 600.0], "norm": [1, 300.0], "sgemm": [1, 200.0]}}]
     md = render_markdown(gpu)
-    assert "| `('verify', 1, 4096)` | 17 | 1,200 | 3 |" in md
+    assert "| `('verify', 1, 4096)` | 17 | 1,200 | 3 | 1,100 |" in md
     assert "What `('verify', 1, 4096)` runs beyond `('decode', 1, 4096)`" in md and "300 µs added in all" in md
     assert "| `sgemm` | 0 | 0 | 1 | 200 | 200 |" in md
     again = tmp_path / "again"
