@@ -528,7 +528,7 @@ def test_an_overlapped_step_goes_on_without_the_sequence_that_ended(good_drafter
 
 def test_an_acceptance_graph_that_cannot_be_captured_falls_back_to_the_eager_acceptance(good_drafter, monkeypatch,
                                                                                         caplog):
-    from megactx.engine.spec_decode import AcceptGraphs
+    from megactx.engine.spec_graphs import AcceptGraphs
 
     def refuse(*args):
         raise RuntimeError("operation not permitted when stream is capturing")

@@ -8,7 +8,7 @@ layer, all indexed by the block manager's block ids) and turns a step — a list
 Graphs (`StepGraphs`). On CUDA the steps whose shapes repeat are replayed as CUDA graphs, because
 at small batches a step is bound by kernel launches, not by the GPU: plain decode steps (B
 sequences x 1 token), and with speculative decoding the verify forward (B x (γ + 1) tokens) and
-the MTP draft steps (`spec_decode.DraftGraphs`). A graph is captured lazily per (kind, batch
+the MTP draft steps (`spec_graphs.DraftGraphs`). A graph is captured lazily per (kind, batch
 bucket, key-count bucket): the smallest batch bucket >= B and the smallest key bucket >= the
 longest key range the step reads. It reads its inputs from static buffers (`StaticBatch`) the
 runner fills before each replay: sequence b's tokens sit in rows b·q .. b·q + q - 1, and every row
@@ -546,7 +546,7 @@ class StepGraphs:
     then computes the logits it needs), "mixed" (any step of the plain engine as ragged rows ->
     logits of the rows that sample; `forward_mixed`), "mixed-hidden" (the same for the speculative
     engine -> the final-normed hidden states of every row: prefill chunks beside decodes and their
-    drafts), "draft" (spec_decode.DraftGraphs).
+    drafts), "draft" (spec_graphs.DraftGraphs).
 
     The key bucket bounds the indexer's logits buffer ([rows, keys] fp32): one graph for every
     context up to max_model_len would make a short-context step pay for 1M keys."""
@@ -599,7 +599,7 @@ class StepGraphs:
 
     def hidden_rows(self, q: int) -> torch.Tensor:
         """The static buffer [max_num_seqs · q, D] that the "verify" graphs of q rows a sequence write
-        their hidden states into (spec_decode.DraftGraphs reads them there)."""
+        their hidden states into (spec_graphs.DraftGraphs reads them there)."""
         cfg = self.runner.cfg
         return self.output(f"hidden-{q}", self.max_num_seqs, q * cfg.hidden_size, self.runner.model.dtype).view(
             -1, cfg.hidden_size)

@@ -110,7 +110,7 @@ def accept_with_draws(target_probs: torch.Tensor, draft_tokens: torch.Tensor, dr
                       num_drafts: torch.Tensor | None, uniforms: torch.Tensor, noise: torch.Tensor) -> VerifyResult:
     """rejection_sample's rule given its draws (uniforms [B, K], noise [B, V] Exp(1), which the twin
     overwrites): the Triton kernel on CUDA, its twin elsewhere. Nothing here reads the device on the
-    host, so a CUDA graph can hold it (`spec_decode.AcceptGraphs`)."""
+    host, so a CUDA graph can hold it (`spec_graphs.AcceptGraphs`)."""
     if target_probs.device.type == "cuda":  # two launches where the twin's ~20 small ops would each cost host time
         from megactx.kernels.rejection import rejection_rows
 
