@@ -8,7 +8,6 @@ paths otherwise; both give the same tokens. Their sampling settings are static b
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -25,8 +24,6 @@ if TYPE_CHECKING:
     from megactx.engine.model_runner import StepGraphs
     from megactx.engine.sequence import Sequence as Seq
     from megactx.engine.spec_decode import SpecDecoder, TargetPass, _DraftPlan
-
-log = logging.getLogger("megactx")
 
 
 SETTINGS_FIELDS = ("temperature", "top_k", "top_p", "min_p")  # what process_logits reads of SamplingTensors
