@@ -202,10 +202,9 @@ def kernels_beyond(rows: list[dict[str, Any]], bases: list[dict[str, Any]], kind
         if not same:
             continue
         other = min(same, key=lambda b: abs((b.get("keys") or 0) - (row.get("keys") or 0)))
-        names = set(row["by_kernel"]) | set(other["by_kernel"])
-        diff = [{"kernel": name, "base_calls": other["by_kernel"].get(name, [0, 0.0])[0],
-                 "base_us": other["by_kernel"].get(name, [0, 0.0])[1], "calls": row["by_kernel"].get(name, [0, 0.0])[0],
-                 "us": row["by_kernel"].get(name, [0, 0.0])[1]} for name in names]
+        mine, theirs, none = row["by_kernel"], other["by_kernel"], (0, 0.0)
+        diff = [dict(zip(("kernel", "base_calls", "base_us", "calls", "us"),
+                         (name, *theirs.get(name, none), *mine.get(name, none)))) for name in set(mine) | set(theirs)]
         diff.sort(key=lambda d: (-(d["us"] - d["base_us"]), d["kernel"]))
         head, rest = diff[:top], diff[top:]
         if rest:

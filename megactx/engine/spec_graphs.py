@@ -65,10 +65,11 @@ class AcceptGraphs:
     eager ones, each costing more host time than its work takes the GPU at small batch (an H100's
     host spent ~1.5 ms a γ = 3 step in them, 2026-12-05).
 
-    Inputs are static: the verify graphs' output rows and input tokens, the requests' settings
-    (filled when the batch changes), the streams' keys and counters (sent every step), the drafts'
-    q (copied in when sampled). Outputs: the logits [bs·q, V] (for logprobs) and the VerifyResult,
-    views of static buffers valid until the next replay."""
+    Inputs are static: the verify graphs' output rows and input tokens, the requests' settings a
+    verified position (`SpecDecoder._per_position`, filled when the batch or K changes), the
+    streams' keys and counters (sent every step), the drafts' q (copied in when sampled). Outputs:
+    the logits [bs·q, V] (for logprobs) and the VerifyResult, views of static buffers valid until
+    the next replay."""
 
     def __init__(self, spec: SpecDecoder, graphs: StepGraphs):
         self.spec, self.graphs = spec, graphs
@@ -78,7 +79,7 @@ class AcceptGraphs:
                                       "noise": ((n,), torch.long)}, dev)
         self.tokens = torch.zeros(n, self.q, dtype=torch.long, device=dev)
         self.num_accepted = torch.zeros(n, dtype=torch.long, device=dev)
-        self.settings: StaticSettings | None = None  # sampled: the rows' settings, those of _filled
+        self.settings: StaticSettings | None = None  # sampled: a row a verified position, those of _filled
         self.draft_q: torch.Tensor | None = None  # [n, γ, V] fp32
         self._filled: SamplingTensors | None = None
         self.failed = False  # a capture raised: SpecDecoder accepts eagerly instead
@@ -106,9 +107,10 @@ class AcceptGraphs:
                 host["noise"][b] = g.offset + gamma
                 g.offset += gamma + vocab
             self.streams.send()
-            if self._filled is not tensors:
-                self.settings.fill(torch.arange(bsz, device=self.tokens.device), tensors)
-                self._filled = tensors
+            per_position = self.spec._per_position(tensors, width)  # [bsz·(width + 1)], kept while the batch stays
+            if self._filled is not per_position:
+                self.settings.fill(torch.arange(bsz * (width + 1), device=self.tokens.device), per_position)
+                self._filled = per_position
             if draft_q is not None:
                 self.draft_q[:bsz, :width].copy_(draft_q)
         graph.replay()
@@ -133,11 +135,10 @@ class AcceptGraphs:
         _, *stages, has_q = which
         n, dev = graphs.max_num_seqs, self.tokens.device
         if self.settings is None:
-            self.settings = StaticSettings(n, dev, vocab)
+            self.settings = StaticSettings(n * q, dev, vocab)  # a row a verified position
         if has_q and self.draft_q is None:
             self.draft_q = torch.zeros(n, q - 1, vocab, device=dev)
-        positions = torch.arange(bs, device=dev).repeat_interleave(width + 1)  # each row's settings a position
-        settings = self.settings.view(bs, tuple(stages))
+        settings = self.settings.view(bs * (width + 1), tuple(stages))
         fields = self.streams.device
         keys, uniform_at, noise_at = fields["keys"][:bs], fields["uniforms"][:bs], fields["noise"][:bs]
         draft_q = self.draft_q[:bs, :width] if has_q else None
@@ -145,9 +146,7 @@ class AcceptGraphs:
         def accept() -> torch.Tensor:
             logits.copy_(model.compute_logits(hidden))
             rows = logits.view(bs, q, vocab)[:, : width + 1].reshape(bs * (width + 1), vocab)
-            per_position = dataclasses.replace(settings, **{name: getattr(settings, name).index_select(0, positions)
-                                                            for name in SETTINGS_FIELDS})  # what process_logits reads
-            p = process_logits(rows, per_position).view(bs, width + 1, vocab)
+            p = process_logits(rows, settings).view(bs, width + 1, vocab)
             uniforms = stream_values(keys, uniform_at, q - 1, exponential=False)[:, :width]
             noise = stream_values(keys, noise_at, vocab, exponential=True)
             result = accept_with_draws(p, drafted, draft_q, None, uniforms, noise)
@@ -156,8 +155,6 @@ class AcceptGraphs:
             return logits
 
         return accept
-
-
 
 
 class DraftGraphs:

@@ -62,7 +62,7 @@ def phase(name: str) -> contextlib.AbstractContextManager:
     megactx::<name> while `recording_phases()` is on, its host time while `timing_phases()` is on,
     else nothing (so that a step outside a profile pays for no range)."""
     if _timing is not None:
-        return _Timer(_timing.setdefault(name, [0, 0.0]))
+        return _timed(name)
     if not _recording_phases:
         return _NO_RANGE
     import torch
@@ -73,7 +73,12 @@ def phase(name: str) -> contextlib.AbstractContextManager:
 def device_wait() -> contextlib.AbstractContextManager:
     """The host waiting for the device (a step's host sync), inside a part: timed as DEVICE_WAIT
     while `timing_phases()` is on, else nothing (no profiler range: the parts do not nest)."""
-    return _NO_RANGE if _timing is None else _Timer(_timing.setdefault(DEVICE_WAIT, [0, 0.0]))
+    return _NO_RANGE if _timing is None else _timed(DEVICE_WAIT)
+
+
+def _timed(name: str) -> _Timer:
+    """A timer adding to timing_phases()'s row `name` (while it is on)."""
+    return _Timer(_timing.setdefault(name, [0, 0.0]))
 
 
 @contextlib.contextmanager
