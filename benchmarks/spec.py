@@ -74,6 +74,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import math
 import statistics
 import sys
 import tempfile
@@ -253,10 +254,24 @@ class SpecFigures:
     def acceptance_rate_per_position(self) -> list[float | None]:
         return [a / d if d else None for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
 
+    @property
+    def acceptance_length_se(self) -> float | None:
+        """The standard error of mean_acceptance_length. A verify accepts a prefix of its drafts, so
+        accepted_per_position[j] verifies accepted at least j + 1: that is the whole distribution of
+        accepted drafts a verify, E[X²] = Σ_j (2j + 1) P(X > j). Verifies are taken as independent
+        (neighbours in one sequence are not quite, so it is a lower bound). None without 2 verifies."""
+        n, counts = self.num_drafts, self.accepted_per_position
+        if n < 2 or not counts:
+            return None
+        mean = sum(counts) / n
+        second = sum((2 * j + 1) * c for j, c in enumerate(counts)) / n
+        return math.sqrt(max(second - mean * mean, 0.0) / n)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"tokens_per_s": self.tokens_per_s,
                                            "mean_acceptance_length": self.mean_acceptance_length,
-                                           "acceptance_rate_per_position": self.acceptance_rate_per_position}
+                                           "acceptance_rate_per_position": self.acceptance_rate_per_position,
+                                           "acceptance_length_se": self.acceptance_length_se}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SpecFigures:
@@ -589,10 +604,26 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             a, c = lo.mean_acceptance_length, hi.mean_acceptance_length
             digits = next((d for d in range(2, 7) if f"{c:.{d}f}" != f"{a:.{d}f}"), 2)  # a verdict shows why
             rows.append(_target(t, f"{c:.{digits}f} vs {a:.{digits}f}", ">=", None if random_weights else c >= a,
-                                "random weights" if random_weights else ""))
+                                "random weights" if random_weights else _within_noise(lo, hi)))
         else:
             rows.append(_target(t, "–", ">=", None, "not run"))
     return rows
+
+
+def _within_noise(lo: SpecFigures, hi: SpecFigures) -> str:
+    """A note where two acceptance lengths differ by less than two standard errors of their
+    difference: the ordering of such rungs is not settled by this run's samples."""
+    if lo.acceptance_length_se is None or hi.acceptance_length_se is None:
+        return ""
+    diff, se = hi.mean_acceptance_length - lo.mean_acceptance_length, math.hypot(lo.acceptance_length_se,
+                                                                                hi.acceptance_length_se)
+    return f"within noise: {diff:+.3f} is {abs(diff) / se:.1f} standard errors" if se and abs(diff) < 2 * se else ""
+
+
+def _length(f: SpecFigures) -> str:
+    """An acceptance length with its standard error."""
+    se = f.acceptance_length_se
+    return fmt_num(f.mean_acceptance_length) + (f" ± {se:.2f}" if se is not None else "")
 
 
 # ------------------------------------------------------------------------------ Markdown
@@ -617,7 +648,8 @@ def render_markdown(results: dict[str, Any], targets: list[dict[str, Any]]) -> s
                    "the figures measure the engine's mechanics only.\n")
     if m["device"] != "cuda":
         out.append("**CPU run**: megactx runs its pure-torch kernel twins here; the targets are GPU targets.\n")
-    out.append("Acceptance length: tokens a verify emits (accepted drafts + 1). Speed-up: output tokens/s over "
+    out.append("Acceptance length: tokens a verify emits (accepted drafts + 1); in the ladder ± its standard error "
+               "(verifies taken as independent). Speed-up: output tokens/s over "
                "no speculation at the same batch, on the same prompts (the median over the timed runs, each "
                "against a run of the no-speculation engine just before it: the host's speed drifts within a run)"
                + (" (every engine replays CUDA graphs for its decode, verify and draft steps)"
@@ -636,7 +668,7 @@ def render_markdown(results: dict[str, Any], targets: list[dict[str, Any]]) -> s
         cells = [rung.name, f"{rung.published:.2f}" if gamma == PUBLISHED_GAMMA else f"{rung.published:.2f} (γ = 7)"]
         for b in s["batches"]:
             f = _find(results, rung.name, gamma, b)
-            cells.append(fmt_num(f.mean_acceptance_length) if f else "–")
+            cells.append(_length(f) if f else "–")
         rows.append([*cells, f"`{rung.mtp_layer}{MTP_LAYER_SUFFIX}`" if rung.mtp_layer else "the checkpoint's"])
     if TV_LOSS_RUNG.name not in {r.name for r in rungs}:
         rows.append([TV_LOSS_RUNG.name, f"{TV_LOSS_RUNG.published:.2f}", *["–"] * len(s["batches"]),

@@ -272,6 +272,28 @@ def test_summed_request_stats_equal_one_stats_that_recorded_every_verify():
     assert f.num_drafts == together.num_drafts
 
 
+def test_the_acceptance_lengths_standard_error_is_that_of_the_verifies_it_counted():
+    """From the per-position counts alone, the standard error equals the one of the recorded
+    verifies' acceptance lengths (population variance / n), and a tie of two rungs is called noise."""
+    gamma, g = 7, torch.Generator().manual_seed(1)
+    stats, lengths = SpecDecodeStats(gamma), []
+    for _ in range(500):
+        drafted = int(torch.randint(1, gamma + 1, (1,), generator=g))
+        accepted = min(int(torch.distributions.Geometric(0.5).sample()), drafted)
+        stats.record(drafted, accepted)
+        lengths.append(1.0 + accepted)
+    f = SpecFigures("x", gamma, 1, 1, 1.0, **sum_draft_stats([stats], gamma))
+    mean = sum(lengths) / len(lengths)
+    var = sum((x - mean) ** 2 for x in lengths) / len(lengths)
+    assert f.acceptance_length_se == pytest.approx((var / len(lengths)) ** 0.5)
+    assert SpecFigures("x", gamma, 1, 1, 1.0, 1, 1, [1] * gamma, [1] + [0] * 6).acceptance_length_se is None
+
+    tie = evaluate_targets(_results((4.56, 4.57, 5.29), speed=2.5))  # 100 verifies a run: SE ~0.1
+    assert tie[1]["passed"] is True and "within noise: +0.010 is 0.1 standard errors" in tie[1]["note"]
+    assert "noise" not in tie[2]["note"]
+    assert "4.57 ± 0.05" in render_markdown(_results((4.56, 4.57, 5.29), speed=2.5), tie)
+
+
 # ------------------------------------------------------------------------------ reports, fake figures
 def _figures(rung: str, gamma: int, batch: int, tokens_per_s: float, acceptance_length: float = 0.0) -> dict:
     """A made-up run: 100 drafts whose acceptance length is the given one, spread over positions."""
@@ -368,8 +390,8 @@ def test_targets_cover_the_tv_rung_when_four_rungs_were_measured():
     falling = _results((4.56, 5.10, 5.29, 5.20), speed=TARGET_SPEEDUP + 0.5, rungs=MTP_LAYER_RUNGS)
     assert [t["passed"] for t in evaluate_targets(falling)] == [True, True, True, False]
     md = render_markdown(results, targets)
-    assert f"| {TV_LOSS_RUNG.name} | 5.47 | 5.47 | 5.47 | `mtp-tv-share.safetensors` |" in md
-    assert "| baseline | 4.56 | 4.56 | 4.56 | `mtp-ce-noshare.safetensors` |" in md
+    assert f"| {TV_LOSS_RUNG.name} | 5.47 | 5.47 ± 0.05 | 5.47 ± 0.05 | `mtp-tv-share.safetensors` |" in md
+    assert "| baseline | 4.56 | 4.56 ± 0.05 | 4.56 ± 0.05 | `mtp-ce-noshare.safetensors` |" in md
     assert "not measured" not in md and "MTP layers from `layers`" in md
 
 
@@ -380,7 +402,7 @@ def test_reports_show_the_published_ladder_beside_ours_and_rewrite_an_old_json(t
     assert [p.name for p in paths] == ["spec-nvidia-h200.json", "spec-nvidia-h200.md", "spec-nvidia-h200.png"]
     md = paths[1].read_text()
     for rung, ours in zip(RUNGS, (4.61, 5.02, 5.33)):
-        assert f"| {rung.name} | {rung.published:.2f} | {ours:.3g} | {ours:.3g} | the checkpoint's |" in md
+        assert f"| {rung.name} | {rung.published:.2f} | {ours:.3g} ± " in md
     assert f"| {TV_LOSS_RUNG.name} | 5.47 | – | – | a training change: not measured without --mtp-layers |" in md
     saved = json.loads(paths[0].read_text())
     assert [t["passed"] for t in saved["targets"]] == [True, True, True]
