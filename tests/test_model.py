@@ -251,6 +251,9 @@ def test_a_fused_moe_holds_its_shared_expert_as_one_more_expert():
         assert moe.experts.gate_up_proj.data_ptr() == gate_up.data_ptr()
         assert moe.shared_experts.down_proj.weight.data_ptr() == down[E].data_ptr()
         assert moe.shared_experts.gate_up.data_ptr() == gate_up[E].data_ptr()
+        # the every-expert form's down GEMM reads the experts side by side, [D, (E + 1)·I], in place
+        D, I = down.shape[1:]
+        assert down.permute(1, 0, 2).reshape(D, (E + 1) * I).data_ptr() == down.data_ptr()
         torch.testing.assert_close(moe(x), want)  # a CPU: the routed loop and the shared MLP
         flat = x.view(-1, cfg.hidden_size)
         weights, ids = moe.gate(flat)

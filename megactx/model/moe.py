@@ -159,7 +159,10 @@ class MoE(nn.Module):
         store it as one more expert (gate_up [E + 1, 2I, D], down [E + 1, D, I]; the modules'
         weights become views of these), so that on CUDA the every-expert form computes it in its
         two GEMMs at weight 1 (the routing kernel's last column) instead of an MLP of its own and
-        an add. No GEMM saved where the experts do not run densely (a CPU): returns 0."""
+        an add. down lies expert-minor in memory ([D, E + 1, I], permuted): the every-expert form's
+        down GEMM reads its experts side by side, [D, (E + 1)·I], as a view, where the expert-major
+        stack was copied into that layout at every forward (a strided copy a MoE layer a step).
+        No GEMM saved where the experts do not run densely (a CPU): returns 0."""
         shared, experts = self.shared_experts, self.experts
         if (self.with_shared is not None or shared is None or not experts.dense_on_cuda
                 or shared.down_proj.weight.shape != experts.down_proj.shape[1:] or shared.gate_up is not None
@@ -169,8 +172,11 @@ class MoE(nn.Module):
         E = experts.gate_up_proj.shape[0]
         gate_up = torch.cat([experts.gate_up_proj.detach(),
                              torch.cat([shared.gate_proj.weight, shared.up_proj.weight]).detach()[None]])
-        down = torch.cat([experts.down_proj.detach(), shared.down_proj.weight.detach()[None]])
-        I = experts.down_proj.shape[-1]
+        D, I = experts.down_proj.shape[1:]
+        side = experts.down_proj.new_empty(D, E + 1, I)  # expert-minor
+        side[:, :E] = experts.down_proj.detach().permute(1, 0, 2)
+        side[:, E] = shared.down_proj.weight.detach()
+        down = side.permute(1, 0, 2)  # [E + 1, D, I], a view
         for module, name, view in ((experts, "gate_up_proj", gate_up[:E]), (experts, "down_proj", down[:E]),
                                    (shared.gate_proj, "weight", gate_up[E, :I]),
                                    (shared.up_proj, "weight", gate_up[E, I:]), (shared.down_proj, "weight", down[E])):
