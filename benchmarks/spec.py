@@ -16,11 +16,12 @@ sampled from the MTP distribution q, accepted with probability min(1, p/q). Both
 
 MTP layer: the ladder is also a training ladder. With --mtp-layers DIR every rung runs on the
 checkpoint with the MTP layer its training rung produced, DIR/<MTP layer>.safetensors (CE without
-IndexShare/KVShare, CE with them, end-to-end TV loss with them; scripts/train-megactx-tiny.sh
+IndexShare/KVShare, CE with them, the end-to-end TV loss with them (megactx-tiny's: CE + TV, which
+drafted better at equal budget than TV alone); scripts/train-megactx-tiny.sh
 writes these with megactx.train.recipe.export_mtp_layer), put on the backbone of --model with
 megactx.train.recipe.with_mtp_layer, so all four rungs are measured (--own-mtp-layer STEM: the
 rungs of that file run on the checkpoint's own MTP layer instead, when it is that variant, as the
-shipped model's TV-loss layer is; its file may then be absent). Without it the first three
+shipped model's layer is; its file may then be absent). Without it the first three
 rungs run on the checkpoint's own MTP layer and the TV rung, a training change, is shown as its
 published figure only.
 
