@@ -6,7 +6,7 @@ import torch
 
 from megactx import ModelConfig
 from megactx.model import build_model, draft
-from megactx.model.attention import LayerCache, select_topk
+from megactx.model.attention import LayerCache, heads_out, select_topk
 from megactx.model.moe import Experts, Router
 
 
@@ -28,6 +28,25 @@ def test_naive_and_absorbed_mla_agree(tiny):
     absorbed = tiny(x)
     tiny.set_attention(absorbed=False)
     assert (naive - absorbed).abs().max() < 1e-4 * naive.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_value_projection_of_the_heads_is_token_major_for_any_row_count(dtype):
+    """heads_out: Σ_r o[t, h, r] w_uv[h, v, r] laid out [T, H·dv] (what o_proj reads), the batched
+    GEMM outside autograd and the einsum inside it agreeing with a per-head reference."""
+    g = torch.Generator().manual_seed(3)
+    H, r, dv = 4, 64, 32
+    w_uv = torch.randn(H, dv, r, generator=g).to(dtype)
+    for T in (1, 4, 33):
+        o = torch.randn(T, H, r, generator=g).to(dtype)
+        want = torch.cat([o[:, h].float() @ w_uv[h].float().T for h in range(H)], dim=1)  # [T, H·dv]
+        with torch.no_grad():
+            got = heads_out(o, w_uv)
+        assert got.shape == (T, H * dv) and got.is_contiguous() and got.dtype == dtype
+        tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got.float(), want, **tol)
+        with_grad = heads_out(o.requires_grad_(), w_uv)
+        torch.testing.assert_close(with_grad.detach().float(), got.float(), **tol)
 
 
 def test_shared_layers_own_no_indexer_and_reuse_their_full_layers_topk(tiny):

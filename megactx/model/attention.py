@@ -137,6 +137,19 @@ class Indexer(nn.Module):
         return torch.matmul(w.unsqueeze(-2), logits).squeeze(-2)  # [B, S, T]
 
 
+def heads_out(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """Absorbed MLA's value projection: o_lat [T, H, r], w_uv [H, dv, r] -> [T, H·dv] token-major,
+    out[t, h·dv + v] = Σ_r o_lat[t, h, r] w_uv[h, v, r]. Outside autograd one batched GEMM over the
+    heads writes its result straight into the token-major buffer (cuBLAS takes a strided result);
+    an einsum returns it head-major, which the output projection's input had to copy for T > 1."""
+    T, H, _ = o_lat.shape
+    if torch.is_grad_enabled():
+        return torch.einsum("shr,hvr->shv", o_lat, w_uv).reshape(T, -1)
+    out = o_lat.new_empty(T, H, w_uv.shape[1])
+    torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
+    return out.view(T, -1)
+
+
 def _head_dots(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """q: [B, S, HI, DI], k: [B, T, DI] -> [B, S, HI, T]: one [S·HI, DI] × [DI, T] product a row.
     (torch.matmul(q, k.transpose(-1, -2).unsqueeze(1)) computes the same but first copies k once
@@ -345,5 +358,4 @@ class MLA(nn.Module):
         # Without write_kv (KVShare draft steps) the batch only names the sequences: no bound.
         out, _ = ops.sparse_mla(q, cache.kv, topk, self.softmax_scale, self.r,
                                 batch.key_len if write_kv else None)  # [T, H, r]
-        out = torch.einsum("shr,hvr->shv", out.to(x.dtype), w_uv)  # [T, H, dv]
-        return self.o_proj(out.reshape(1, out.shape[0], -1)), topk
+        return self.o_proj(heads_out(out.to(x.dtype), w_uv)[None]), topk
