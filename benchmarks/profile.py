@@ -186,9 +186,8 @@ def graphs_alone(graphs, reps: int = 20, kernel_reps: int = 3) -> list[dict[str,
     return rows
 
 
-def kernels_beyond(rows: list[dict[str, Any]], bases: list[dict[str, Any]], kind: str = "verify",
-                   base: str = "decode", top: int = 10) -> list[dict[str, Any]]:
-    """For each `kind` graph of graphs_alone's rows, the kernels it runs beyond the `base` graph of
+def kernels_beyond(rows: list[dict[str, Any]], bases: list[dict[str, Any]], top: int = 10) -> list[dict[str, Any]]:
+    """For each verify graph of graphs_alone's rows, the kernels it runs beyond the decode graph of
     its batch among `bases` (graphs_alone's rows of any engine: a speculative engine has no decode
     graph of its own; the nearest key bucket): [{"graph", "base", "rows": [{"kernel", "base_calls",
     "base_us", "calls", "us"}] the `top` kernels by the device time added, most first, then an
@@ -196,9 +195,9 @@ def kernels_beyond(rows: list[dict[str, Any]], bases: list[dict[str, Any]], kind
     a decode."""
     out = []
     for row in rows:
-        if row.get("kind") != kind or not row.get("by_kernel"):
+        if row.get("kind") != "verify" or not row.get("by_kernel"):
             continue
-        same = [b for b in bases if b.get("kind") == base and b.get("batch") == row["batch"] and b.get("by_kernel")]
+        same = [b for b in bases if b.get("kind") == "decode" and b.get("batch") == row["batch"] and b.get("by_kernel")]
         if not same:
             continue
         other = min(same, key=lambda b: abs((b.get("keys") or 0) - (row.get("keys") or 0)))

@@ -721,14 +721,14 @@ class SpecDecoder:
         for b, (seq, k) in enumerate(zip(plan.seqs, plan.steps)):
             self.drafts[seq.seq_id] = Draft(tokens[b, :k], None if probs is None else probs[b, :k], host, b, probs)
 
-    def _accept_graphs(self, bsz: int, width: int, tensors: SamplingTensors, chunks: list[ScheduledSeq],
+    def _accept_graphs(self, bsz: int, width: int, tensors: SamplingTensors, items: list[ScheduledSeq],
                        generators: Mapping[int, RowGenerator]) -> tuple[torch.Tensor, VerifyResult] | None:
         """The acceptance of a graphed verify's rows as one graph (`AcceptGraphs`), where it can be:
         every row verifies `width` >= 1 drafts, and greedily or from its request's random stream."""
         graphs = self.runner.graphs
         if graphs is None or width < 1:
             return None
-        gens = [generators.get(item.seq.seq_id) for item in chunks]
+        gens = [generators.get(item.seq.seq_id) for item in items]
         if not tensors.all_greedy and not all(isinstance(g, RowGenerator) for g in gens):
             return None
         if self._accepts is None or self._accepts.graphs is not graphs:
@@ -739,7 +739,7 @@ class SpecDecoder:
             return None
         try:
             return self._accepts.run(bsz, width, tensors, gens,
-                                     None if tensors.all_greedy else self._draft_probs(chunks, width))
+                                     None if tensors.all_greedy else self._draft_probs(items, width))
         except RuntimeError as e:  # a capture the device refused (run() captures before it takes any draw)
             self._accepts.failed = True
             log.warning("megactx: the acceptance graph could not be captured (%s); accepting eagerly from now on "

@@ -41,10 +41,15 @@ class StaticSettings:
     def __init__(self, n: int, device: torch.device | str, vocab_size: int):
         self.tensors = SamplingTensors.from_params([SamplingParams()] * n, device, vocab_size)
 
-    def fill(self, rows: torch.Tensor, tensors: SamplingTensors) -> None:
-        """Rows `rows` [B] of the static settings <- the B rows of `tensors` (process_logits' fields)."""
+    def fill(self, tensors: SamplingTensors, rows: torch.Tensor | None = None) -> None:
+        """Rows `rows` [B] (None: the first B) of the static settings <- the B rows of `tensors`
+        (process_logits' fields)."""
         for name in SETTINGS_FIELDS:
-            getattr(self.tensors, name).index_copy_(0, rows, getattr(tensors, name))
+            mine, theirs = getattr(self.tensors, name), getattr(tensors, name)
+            if rows is None:
+                mine[: len(theirs)].copy_(theirs)
+            else:
+                mine.index_copy_(0, rows, theirs)
 
     def view(self, bs: int, stages: tuple[bool, bool, bool, bool]) -> SamplingTensors:
         """The first bs rows as process_logits sees them in a graph of the sampling stages `stages`."""
@@ -109,7 +114,7 @@ class AcceptGraphs:
             self.streams.send()
             per_position = self.spec._per_position(tensors, width)  # [bsz·(width + 1)], kept while the batch stays
             if self._filled is not per_position:
-                self.settings.fill(torch.arange(bsz * (width + 1), device=self.tokens.device), per_position)
+                self.settings.fill(per_position)
                 self._filled = per_position
             if draft_q is not None:
                 self.draft_q[:bsz, :width].copy_(draft_q)
@@ -303,7 +308,7 @@ class DraftGraphs:
         self.early_rounds += early
         if sampled_loop:
             if new_streams:
-                self.settings.fill(member_rows, plan.tensors)
+                self.settings.fill(plan.tensors, member_rows)
             graphs[0].replay()
             keep(plan, self.tokens.index_select(0, member_rows), self.probs.index_select(0, member_rows))
             return True
