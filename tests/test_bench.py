@@ -204,6 +204,32 @@ def test_targets_apply_the_bound_that_limits_each_decode(glm):
     assert len(grows) == 2 and all(t["passed"] for t in grows)
 
 
+def test_failed_group_targets_say_what_bounds_them(glm):
+    # A missed group target carries its bound by FLOPs against the run's ceilings: with I and S the
+    # indexer's and one sparse MLA's times at their ceilings, every-layer / group at equal efficiency
+    # is 4 (I + S) / (I + 4 S); dense / group needs the group at R x dense's efficiency x its share.
+    results = _results(glm, [128 * K_])
+    for m in results["measurements"]:
+        if m["name"] == "sdpa.prefill":
+            m["time_s"] /= 20  # a dense SDPA fast enough that the fake group misses 10x too
+    (g,) = layer_groups(results)
+    every, dense = [t for t in evaluate_targets(results, [g]) if t["target"].startswith("layer group")]
+    assert "every layer" in every["target"] and "dense" in dense["target"]
+    assert every["passed"] is False and dense["passed"] is False
+    by = {m["name"]: m for m in results["measurements"]}
+    i_min = by["indexer.logits"]["flops"] / 1400e12
+    s_min = by["sparse_mla.prefill.bf16"]["flops"] / 800e12
+    assert f"{i_min / s_min:.2f} at their ceilings" in every["note"]
+    assert f"so {4 * (i_min + s_min) / (i_min + 4 * s_min):.2f}x" in every["note"]
+    assert "needs the indexer 4x as slow" in every["note"]
+    dense_min = 4 * by["sdpa.prefill"]["flops"] / 800e12
+    group_min = i_min + 4 * s_min
+    dense_eff = dense_min / g["dense_s"]
+    assert f"takes {dense_min / group_min:.1f}x the group's time" in dense["note"]
+    assert f"group at {100 * 10 * dense_eff * group_min / dense_min:.0f}% of its ceilings" in dense["note"]
+    assert f"it runs at {100 * group_min / g['group_s']:.0f}%" in dense["note"]
+
+
 def test_targets_without_a_long_context_say_so(glm):
     results = _results(glm, [8 * K_])
     targets = evaluate_targets(results, layer_groups(results))
