@@ -301,13 +301,14 @@ def call_long_rows(cfg, gamma: int, vocab: int) -> None:
     direct calls at GLM-scale sizes (recorded, not run; `record` plans them for an H200's 132 SMs):
     top-k's split plan over long rows and its fused plan over a prefill chunk, decode-shaped indexer
     logits over a long context, sparse MLA decode with split-K (bf16 and FP8 KV) and at batch 64,
-    the MoE router, the speculative sampler's rejection rule and its random streams over `vocab`
-    tokens."""
+    the norms of a fused projection's strided slices, a verify's few-row fp32 linears, the MoE
+    router, the speculative sampler's rejection rule and its random streams over `vocab` tokens."""
     import torch
 
-    from megactx.kernels import moe_route, rejection, rng, sparse_mla, topk
+    from megactx.kernels import linear, moe_route, norm, rejection, rng, sparse_mla, topk
     from megactx.kernels.indexer import indexer_logits
     from megactx.kernels.reference import BLOCK_SIZE, FP8, SCALE_GROUP
+    from megactx.model.layers import RMSNorm
 
     k, hi, di = cfg.index_topk, cfg.index_n_heads, cfg.index_head_dim
     r, dr, heads = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_attention_heads
@@ -330,7 +331,20 @@ def call_long_rows(cfg, gamma: int, vocab: int) -> None:
             caches.append(torch.empty(blocks, BLOCK_SIZE, r + 4 * (r // SCALE_GROUP) + 2 * dr, dtype=torch.uint8))
         for cache in caches:
             sparse_mla.sparse_mla(q, cache, slots, 0.1, r)
+    # the norms of the fused x projection's strided slices (q_a_layernorm, the indexer's k_norm, a
+    # LayerNorm): the engine fuses a checkpoint's projections, the model recorded here is not fused
+    q_lora = cfg.q_lora_rank or 0
+    wide = torch.empty(gamma + 1, q_lora + r + dr + di, dtype=torch.bfloat16)
+    with torch.no_grad():
+        if q_lora:
+            norm.norm_rows(wide[:, :q_lora], RMSNorm(q_lora).bfloat16())
+        norm.norm_rows(wide[:, -di:], torch.nn.LayerNorm(di).bfloat16())
     experts = cfg.n_routed_experts
+    # a verify's few-row fp32 linears (routers, indexer head weights), which linear_fp32 sends to the
+    # kernel only on a GPU
+    for width in (experts, hi):
+        if width:
+            linear.linear_rows(torch.empty(gamma + 1, cfg.hidden_size), torch.empty(width, cfg.hidden_size))
     if experts:
         logits, bias = torch.empty(64, experts), torch.zeros(experts)
         moe_route.moe_route(logits, bias, cfg.num_experts_per_tok, 1.0, True)

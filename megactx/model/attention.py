@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megactx.config import ModelConfig
-from megactx.model.layers import RMSNorm, fuse_linears, rope_first
+from megactx.model.layers import RMSNorm, apply_norm, fuse_linears, linear_fp32, rope_first
 from megactx.model.paged import OutputRows, PagedLayerCache
 from megactx.model.quant import hadamard, quantize_rows
 
@@ -100,18 +100,21 @@ class Indexer(nn.Module):
         return hadamard(self.head_dim, device=device)
 
     # The first rope_dim dims are rotated (the MLA query puts rope last; the indexer first). `rope`:
-    # layers.rope_first or its fused kernel (the paged path passes its backend's).
+    # layers.rope_first or its fused kernel, `norm` layers.apply_norm or its strided-row kernel (the
+    # paged path passes its backend's).
     def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope=rope_first,
-             wk_x: torch.Tensor | None = None) -> torch.Tensor:
+             wk_x: torch.Tensor | None = None, norm=apply_norm) -> torch.Tensor:
         """x: [B, S, D] -> k: [B, S, DI], what the indexer cache stores. wk_x: wk(x) when computed
-        already (in MLA's fused input projection)."""
-        return rope(self.k_norm(self.wk(x) if wk_x is None else wk_x), cos, sin, self.rope_interleave, self.rope_dim)
+        already (in MLA's fused input projection: a strided slice of its output)."""
+        k = norm(self.wk(x) if wk_x is None else wk_x, self.k_norm)
+        return rope(k, cos, sin, self.rope_interleave, self.rope_dim)
 
     def projections(self, x: torch.Tensor, q_resid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> q: [B, S, HI, DI] before rope, w: [B, S, HI] fp32 head weights before their scaling."""
         B, S, _ = x.shape
         q = self.wq_b(q_resid).view(B, S, self.n_heads, self.head_dim)
-        return q, self.weights_proj(x.to(self.weights_proj.weight.dtype)).float()
+        w = self.weights_proj.weight
+        return q, linear_fp32(x.to(w.dtype), w).float()
 
     def queries(self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 rope=rope_first) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,20 +199,21 @@ class MLA(nn.Module):
             self.x_proj_sizes = [m.weight.shape[0] for m in linears] if self.x_proj is not None else []
         return max(len(self.x_proj_sizes) - 1, 0)
 
-    def project_q(self, x, cos, sin, rope=rope_first, q_a_x=None):
+    def project_q(self, x, cos, sin, rope=rope_first, q_a_x=None, norm=apply_norm):
         """x: [B, S, D] -> q_resid [B, S, q_lora], q_nope [B, S, H, dn], q_pe [B, S, H, dr] (roped by
-        `rope`: layers.rope_first or its fused kernel). q_a_x: q_a_proj(x) when computed already."""
+        `rope`: layers.rope_first or its fused kernel). q_a_x: q_a_proj(x) when computed already (a
+        strided slice of the fused projection's output, which `norm` reads in place on the paged path)."""
         B, S, _ = x.shape
-        q_resid = self.q_a_layernorm(self.q_a_proj(x) if q_a_x is None else q_a_x)
+        q_resid = norm(self.q_a_proj(x) if q_a_x is None else q_a_x, self.q_a_layernorm)
         q = self.q_b_proj(q_resid).view(B, S, self.n_heads, self.dn + self.dr)
         q_nope, q_pe = q.split([self.dn, self.dr], dim=-1)
         return q_resid, q_nope, rope(q_pe, cos, sin, self.cfg.rope_interleave)
 
-    def project_kv(self, x, cos, sin, rope=rope_first, kv_a_x=None):
+    def project_kv(self, x, cos, sin, rope=rope_first, kv_a_x=None, norm=apply_norm):
         """x: [B, S, D] -> c [B, S, r] (normed latent), k_pe [B, S, dr] (roped): the MLA cache entry.
         kv_a_x: kv_a_proj_with_mqa(x) when computed already."""
         c, k_pe = (self.kv_a_proj_with_mqa(x) if kv_a_x is None else kv_a_x).split([self.r, self.dr], dim=-1)
-        return self.kv_a_layernorm(c), rope(k_pe, cos, sin, self.cfg.rope_interleave)
+        return norm(c, self.kv_a_layernorm), rope(k_pe, cos, sin, self.cfg.rope_interleave)
 
     def wkv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj split per head: W_UK [H, dn, r], W_UV [H, dv, r]."""
@@ -299,11 +303,11 @@ class MLA(nn.Module):
                        kv_a_x: torch.Tensor | None = None, wk_x: torch.Tensor | None = None) -> None:
         """Write the KV of x [1, T, D] (and its indexer keys, on a layer with an indexer cache) to
         cache.batch.slots; kv_a_x, wk_x: from `project_x`, when computed."""
-        rope = cache.ops.rope
-        c, k_pe = self.project_kv(x, cos, sin, rope, kv_a_x)  # [1, T, r], [1, T, dr]
+        rope, norm = cache.ops.rope, cache.ops.norm
+        c, k_pe = self.project_kv(x, cos, sin, rope, kv_a_x, norm)  # [1, T, r], [1, T, dr]
         index_k = None
         if self.indexer is not None and cache.index is not None:
-            index_k = self.indexer.keys(x, cos, sin, rope, wk_x)[0]  # [T, DI]
+            index_k = self.indexer.keys(x, cos, sin, rope, wk_x, norm)[0]  # [T, DI]
             if cache.index.dtype == torch.uint8:  # rotated before quantization, as in Indexer.scores(fp8=True)
                 index_k = index_k.float() @ self.indexer.rotation(x.device)
         cache.ops.write_kv(c[0], k_pe[0], cache.batch.slots, cache.kv, index_k, cache.index)
@@ -331,7 +335,8 @@ class MLA(nn.Module):
             batch, cache = rows.batch, dataclasses.replace(cache, batch=rows.batch)
             if not len(rows):
                 return x, torch.empty(0, self.cfg.index_topk, dtype=torch.int32, device=x.device)
-        q_resid, q_nope, q_pe = self.project_q(x, cos, sin, ops.rope, q_a_x)  # [1, T, q_lora], [1, T, H, dn|dr]
+        # [1, T, q_lora], [1, T, H, dn], [1, T, H, dr]
+        q_resid, q_nope, q_pe = self.project_q(x, cos, sin, ops.rope, q_a_x, ops.norm)
         fp8_index = cache.index is not None and cache.index.dtype == torch.uint8
 
         if topk is None:

@@ -27,6 +27,37 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
+# Weights (elements) up to which `linear_fp32` takes the few-row kernel: megactx-tiny's, not GLM-5.2's.
+LINEAR_ROWS_MAX_WEIGHT = 1 << 16
+
+
+def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, weight) (no bias) for the weights a model keeps in fp32 (MoE routers, the
+    indexers' head weights): x [..., D], weight [E, D] -> [..., E].
+
+    2-8 fp32 rows on a GPU (a speculative verify's, a small decode batch's) against a small weight
+    take one Triton kernel (`megactx.kernels.linear.linear_rows`), where cuBLAS runs a SIMT GEMM and
+    a split-K reduction. On an H100 (2026-12-05, CUDA-graph replays) at megactx-tiny's E = 4,
+    D = 256, 4 rows: 1.56 us against F.linear's 5.20. For GLM-5.2's (E = 256 or 32, D = 6144) the
+    kernel, one program per output column reading its row of W in series, was slower than F.linear
+    (14.5 / 12.6 us against 13.5 / 9.3), so weights past LINEAR_ROWS_MAX_WEIGHT keep F.linear, as do
+    one row (cuBLAS's gemv), more rows, other dtypes, CPUs and autograd."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if (x.is_cuda and x.dtype == weight.dtype == torch.float32 and 1 < rows
+            and weight.numel() <= LINEAR_ROWS_MAX_WEIGHT
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        from megactx.kernels.linear import MAX_ROWS, linear_rows
+
+        if rows <= MAX_ROWS:
+            return linear_rows(x, weight)
+    return F.linear(x, weight)
+
+
+def apply_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """norm(x): the twin of `megactx.kernels.norm.norm_rows` (the paged path passes its backend's)."""
+    return norm(x)
+
+
 def fuse_linears(*linears: nn.Linear) -> torch.Tensor | None:
     """One weight [sum of N_i, D] for bias-free linears that read the same input, so that one GEMM
     computes all of them (a launch-bound decode step pays per GEMM, not per FLOP): their weights

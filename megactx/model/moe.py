@@ -15,7 +15,7 @@ from torch import nn
 
 from megactx.config import ModelConfig
 from megactx.kernels import reference as ref
-from megactx.model.layers import fuse_linears
+from megactx.model.layers import fuse_linears, linear_fp32
 
 
 class MLP(nn.Module):
@@ -66,7 +66,7 @@ class Router(nn.Module):
         """x: [N, D] -> (weights [N, top_k] fp32, expert ids [N, top_k] int64). dense: an [N, E]
         fp32 tensor to fill with every expert's weight, 0 where not routed (what the every-expert
         form reads); [N, E + 1] with shared_column, its last column 1 (the shared expert's)."""
-        logits = F.linear(x.float(), self.weight.float())  # [N, E]
+        logits = linear_fp32(x.float(), self.weight.float())  # [N, E]
         if self.uses_kernel(x):
             from megactx.kernels.moe_route import moe_route
 

@@ -25,7 +25,7 @@ from megactx.config import ModelConfig
 # A module object, not names from it: kernels.reference imports model.quant, so while it loads first
 # this module can be imported with it half-initialised; its attributes are only read at call time.
 from megactx.kernels import reference as ref
-from megactx.model.layers import rope_first
+from megactx.model.layers import apply_norm, rope_first
 
 # The indexer computes logits for this many bytes of [query rows × keys] at a time (fp32), then
 # keeps each row's top-k: a 1M-token prefill never materialises its [1M × 1M] logits. Each buffer
@@ -50,6 +50,7 @@ class KernelOps:
     indexer_topk: Callable  # (q, w, index_cache, block_table, seq_idx, key_len, k, chunk_tokens, key_len_host)
     sparse_mla: Callable  # (q, kv_cache, topk_slots, softmax_scale, kv_lora_rank, topk_len) -> (out, lse)
     rope: Callable = rope_first  # (x, cos, sin, interleave, rope_dims=None) -> roped copy of x
+    norm: Callable = apply_norm  # (x, norm module) -> module(x); a strided x (a fused projection's slice) in one kernel
     # (q, w, cos, sin, interleave, rope_dims, rotation, w_scale_heads, w_scale_dim) -> (q8, w): FP8 indexer queries
     index_queries_fp8: Callable = field(default_factory=lambda: ref.index_queries_fp8)  # (read at call time)
 
@@ -62,6 +63,7 @@ def kernel_ops(backend: str) -> KernelOps:
         from megactx.kernels.index_queries import index_queries_fp8, takes
         from megactx.kernels.indexer import indexer_topk_chunked
         from megactx.kernels.kv_write import write_kv
+        from megactx.kernels.norm import norm_rows
         from megactx.kernels.rope import rope_first as fused_rope
         from megactx.kernels.sparse_mla import sparse_mla
 
@@ -70,7 +72,8 @@ def kernel_ops(backend: str) -> KernelOps:
             return (index_queries_fp8 if takes(q, rope_dims) else ref.index_queries_fp8)(
                 q, w, cos, sin, interleave, rope_dims, *scales)
 
-        return KernelOps(write_kv, indexer_topk_chunked, sparse_mla, fused_rope, index_queries)
+        return KernelOps(write_kv, indexer_topk_chunked, sparse_mla, rope=fused_rope, norm=norm_rows,
+                         index_queries_fp8=index_queries)
     raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
 
 
