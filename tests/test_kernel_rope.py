@@ -71,6 +71,20 @@ def test_bf16_within_the_error_rule(case, interleave):
     _bf16_rule(x, cos, sin, interleave, rope_dims)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rope", [fused, twin], ids=["kernel", "twin"])
+def test_out_takes_a_strided_slice(rope, dtype):
+    # MLA's query [T, H, r + dr] is assembled in place: the rope writes q_pe into its last dr dims.
+    T, H, r, dr = 5, 4, 32, 16
+    x = _x((1, T, H, dr), dtype, DEVICE, extra=8)
+    cos, sin = _tables(1, T, dr, dtype, DEVICE)
+    q = torch.full((T, H, r + dr), 7.0, dtype=dtype, device=DEVICE)
+    got = rope(x, cos, sin, True, out=q[None, :, :, r:])
+    assert got.data_ptr() == q[:, :, r:].data_ptr()
+    assert torch.equal(q[..., r:], rope(x, cos, sin, True)[0])
+    assert torch.all(q[..., :r] == 7.0)  # nothing else written
+
+
 def test_bad_widths_are_refused():
     x = torch.zeros(1, 2, 3, 32, device=DEVICE)
     cos, sin = _tables(1, 2, 32, torch.float32, DEVICE)
@@ -78,6 +92,8 @@ def test_bad_widths_are_refused():
         fused(x, cos, sin, True, 31)
     with pytest.raises(ValueError, match="cos/sin of that width"):
         fused(x, cos[..., :16], sin[..., :16], True, 32)
+    with pytest.raises(ValueError, match="out must be like x"):
+        fused(x, cos, sin, True, out=torch.empty(1, 2, 3, 16, device=DEVICE))
 
 
 @pytest.mark.gpu

@@ -35,7 +35,7 @@ def rotate_pairs(row, i, mask, c, sn, INTERLEAVE: tl.constexpr, HALF: tl.constex
 def _rope_kernel(
     x_ptr, stride_xb, stride_xs, stride_xh,   # x: [B, S, H, D], last dim contiguous
     cos_ptr, sin_ptr, stride_cb, stride_cs,   # cos / sin: [B or 1, S, ROPE] ([cos | cos], [-sin | sin])
-    out_ptr,                                  # [B, S, H, D] contiguous
+    out_ptr, stride_ob, stride_os, stride_oh,  # out: [B, S, H, D], last dim contiguous
     S, H,
     D: tl.constexpr, ROPE: tl.constexpr, INTERLEAVE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
@@ -51,7 +51,7 @@ def _rope_kernel(
     mask = (h < H) & (i[None, :] < HALF)
     row = x_ptr + b * stride_xb + s * stride_xs + h * stride_xh
     first, second = rotate_pairs(row, i[None, :], mask, c[None, :], sn[None, :], INTERLEAVE, HALF)
-    out = out_ptr + (tok * H + h) * D
+    out = out_ptr + b * stride_ob + s * stride_os + h * stride_oh
     if OUT_BF16:
         tl.store(out + i[None, :], to_bf16(first), mask=mask)
         tl.store(out + HALF + i[None, :], to_bf16(second), mask=mask)
@@ -65,10 +65,12 @@ def _rope_kernel(
 
 
 def rope_first(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool,
-               rope_dims: int | None = None) -> torch.Tensor:
+               rope_dims: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """x: [B, S, D] or [B, S, H, D] (any strides but the last dim's 1), cos/sin: [B or 1, S, rope_dims]
     from `Rotary` -> a new contiguous tensor like x: its first rope_dims dims (default all) rotated
-    and laid out half-split, the rest copied. Same contract as the twin `layers.rope_first`."""
+    and laid out half-split, the rest copied. out: written instead (x's shape and dtype, any strides
+    but the last dim's 1: e.g. the rope part of MLA's assembled query) and returned. Same contract as
+    the twin `layers.rope_first`."""
     check_device(x, cos, sin)
     D = x.shape[-1]
     rope_dims = D if rope_dims is None else rope_dims
@@ -81,13 +83,19 @@ def rope_first(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     if cos.stride(-1) != 1 or sin.stride() != cos.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
     B, S, H, _ = x4.shape
-    out = torch.empty(x4.shape, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    elif out.shape != x.shape or out.dtype != x.dtype or out.device != x.device or out.stride(-1) != 1:
+        raise ValueError(f"out must be like x ({tuple(x.shape)} {x.dtype} on {x.device}) with its last dim "
+                         f"contiguous, got {tuple(out.shape)} {out.dtype} on {out.device}, strides {out.stride()}")
+    out4 = out if out.dim() == 4 else out.unsqueeze(2)
     if out.numel():
         block_h = min(next_power_of_2(H), 16)
         _rope_kernel[(B * S, cdiv(H, block_h))](
             x4, x4.stride(0), x4.stride(1), x4.stride(2),
-            cos, sin, cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1), out, S, H,
+            cos, sin, cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1),
+            out4, out4.stride(0), out4.stride(1), out4.stride(2), S, H,
             D=D, ROPE=rope_dims, INTERLEAVE=interleave, BLOCK_H=block_h,
             BLOCK_HALF=next_power_of_2(rope_dims // 2),
             BLOCK_REST=next_power_of_2(max(D - rope_dims, 1)), OUT_BF16=x.dtype == torch.bfloat16)
-    return out.view(x.shape)
+    return out

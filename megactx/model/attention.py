@@ -199,14 +199,17 @@ class MLA(nn.Module):
             self.x_proj_sizes = [m.weight.shape[0] for m in linears] if self.x_proj is not None else []
         return max(len(self.x_proj_sizes) - 1, 0)
 
-    def project_q(self, x, cos, sin, rope=rope_first, q_a_x=None, norm=apply_norm):
+    def project_q(self, x, cos, sin, rope=rope_first, q_a_x=None, norm=apply_norm, pe_out=None):
         """x: [B, S, D] -> q_resid [B, S, q_lora], q_nope [B, S, H, dn], q_pe [B, S, H, dr] (roped by
-        `rope`: layers.rope_first or its fused kernel). q_a_x: q_a_proj(x) when computed already (a
-        strided slice of the fused projection's output, which `norm` reads in place on the paged path)."""
+        `rope`: layers.rope_first or its fused kernel; into pe_out when given). q_a_x: q_a_proj(x) when
+        computed already (a strided slice of the fused projection's output, which `norm` reads in
+        place on the paged path)."""
         B, S, _ = x.shape
         q_resid = norm(self.q_a_proj(x) if q_a_x is None else q_a_x, self.q_a_layernorm)
         q = self.q_b_proj(q_resid).view(B, S, self.n_heads, self.dn + self.dr)
         q_nope, q_pe = q.split([self.dn, self.dr], dim=-1)
+        if pe_out is not None:
+            return q_resid, q_nope, rope(q_pe, cos, sin, self.cfg.rope_interleave, out=pe_out)
         return q_resid, q_nope, rope(q_pe, cos, sin, self.cfg.rope_interleave)
 
     def project_kv(self, x, cos, sin, rope=rope_first, kv_a_x=None, norm=apply_norm):
@@ -335,8 +338,15 @@ class MLA(nn.Module):
             batch, cache = rows.batch, dataclasses.replace(cache, batch=rows.batch)
             if not len(rows):
                 return x, torch.empty(0, self.cfg.index_topk, dtype=torch.int32, device=x.device)
+        # The kernel's query q [T, H, r + dr] = [q_nope·W_UK | roped q_pe]: outside autograd both halves
+        # are written into it in place (a batched GEMM and the rope), no concatenation after.
+        T, H = x.shape[1], self.n_heads
+        q = None
+        if not torch.is_grad_enabled() and x.dtype in (torch.float32, torch.bfloat16):
+            q = x.new_empty(T, H, self.r + self.dr)
         # [1, T, q_lora], [1, T, H, dn], [1, T, H, dr]
-        q_resid, q_nope, q_pe = self.project_q(x, cos, sin, ops.rope, q_a_x, ops.norm)
+        q_resid, q_nope, q_pe = self.project_q(x, cos, sin, ops.rope, q_a_x, ops.norm,
+                                               None if q is None else q[None, :, :, self.r :])
         fp8_index = cache.index is not None and cache.index.dtype == torch.uint8
 
         if topk is None:
@@ -355,10 +365,13 @@ class MLA(nn.Module):
 
         # absorbed MLA: MQA over the latent; the kernel reads the cache in its own layout
         w_uk, w_uv = self.wkv_b()
-        q_lat = torch.einsum("shd,hdr->shr", q_nope[0], w_uk)  # [T, H, r]
-        q = torch.cat([q_lat, q_pe[0]], dim=-1)  # [T, H, r + dr]
-        if q.dtype not in (torch.float32, torch.bfloat16):
-            q = q.to(torch.bfloat16)
+        if q is not None:  # q_lat [T, H, r] = q_nope·W_UK a head, written token-major into q (cuBLAS: strided out)
+            torch.bmm(q_nope[0].transpose(0, 1), w_uk, out=q[:, :, : self.r].transpose(0, 1))
+        else:
+            q_lat = torch.einsum("shd,hdr->shr", q_nope[0], w_uk)  # [T, H, r]
+            q = torch.cat([q_lat, q_pe[0]], dim=-1)  # [T, H, r + dr]
+            if q.dtype not in (torch.float32, torch.bfloat16):
+                q = q.to(torch.bfloat16)
         # A row's key count bounds its top-k's valid slots (listed first): the kernel skips the rest.
         # Without write_kv (KVShare draft steps) the batch only names the sequences: no bound.
         out, _ = ops.sparse_mla(q, cache.kv, topk, self.softmax_scale, self.r,

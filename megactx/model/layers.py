@@ -157,11 +157,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
 
 def rope_first(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool,
-               rope_dims: int | None = None) -> torch.Tensor:
+               rope_dims: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """apply_rope on the first `rope_dims` dims of x (default: all of them), the rest as they are
-    (the indexer puts its rope dims first). The pure-PyTorch twin of the fused kernel
-    `megactx.kernels.rope.rope_first`."""
+    (the indexer puts its rope dims first); out: copied into it and returned instead. The
+    pure-PyTorch twin of the fused kernel `megactx.kernels.rope.rope_first`."""
     if rope_dims is None or rope_dims == x.shape[-1]:
-        return apply_rope(x, cos, sin, interleave)
-    rot, rest = x.split([rope_dims, x.shape[-1] - rope_dims], dim=-1)
-    return torch.cat([apply_rope(rot, cos, sin, interleave), rest], dim=-1)
+        roped = apply_rope(x, cos, sin, interleave)
+    else:
+        rot, rest = x.split([rope_dims, x.shape[-1] - rope_dims], dim=-1)
+        roped = torch.cat([apply_rope(rot, cos, sin, interleave), rest], dim=-1)
+    return roped if out is None else out.copy_(roped)
