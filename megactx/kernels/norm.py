@@ -1,6 +1,6 @@
 """RMSNorm / LayerNorm over rows that are not contiguous: one kernel where PyTorch takes two.
 
-The paged attention layer computes its x projections as one GEMM (`Attention.fuse`) and normalises
+The paged attention layer computes its x projections as one GEMM (`MLA.fuse`) and normalises
 slices of its output: q_a_proj's [T, q_lora] (q_a_layernorm), the latent of kv_a_proj's [T, r]
 (kv_a_layernorm) and the indexer's wk [T, DI] (k_norm, a LayerNorm). With T > 1 such a slice's rows
 are strided, and PyTorch's fused norms copy it to a contiguous tensor first: on an H100 a verify of
@@ -69,10 +69,12 @@ def norm_rows(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     """module(x) for megactx's RMSNorm or an affine nn.LayerNorm over x's last dim, as a new
     contiguous tensor: strided rows (x [..., D] with its last dim contiguous, e.g. a column slice of
     a fused projection's output) in one kernel; anything else through the module itself."""
-    weight = module.weight
-    bias = getattr(module, "bias", None)
-    rms = not isinstance(module, nn.LayerNorm)
-    eps = module.eps
+    from megactx.model.layers import RMSNorm
+
+    if not isinstance(module, (RMSNorm, nn.LayerNorm)):
+        return module(x)
+    weight, bias, eps = module.weight, getattr(module, "bias", None), module.eps
+    rms = isinstance(module, RMSNorm)
     stride = _rows_stride(x)
     if (x.is_contiguous() or stride is None or weight is None or weight.dtype != x.dtype
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))  # no backward here
