@@ -302,10 +302,11 @@ def call_long_rows(cfg, gamma: int, vocab: int) -> None:
     top-k's split plan over long rows and its fused plan over a prefill chunk, decode-shaped indexer
     logits over a long context, sparse MLA decode with split-K (bf16 and FP8 KV) and at batch 64,
     the norms of a fused projection's strided slices, a verify's few-row fp32 linears, the MoE
-    router, the speculative sampler's rejection rule and its random streams over `vocab` tokens."""
+    every-expert form's activation and router, the speculative sampler's rejection rule and its
+    random streams over `vocab` tokens."""
     import torch
 
-    from megactx.kernels import linear, moe_route, norm, rejection, rng, sparse_mla, topk
+    from megactx.kernels import linear, moe_route, norm, rejection, rng, sparse_mla, swiglu, topk
     from megactx.kernels.indexer import indexer_logits
     from megactx.kernels.reference import BLOCK_SIZE, FP8, SCALE_GROUP
     from megactx.model.layers import RMSNorm
@@ -346,6 +347,10 @@ def call_long_rows(cfg, gamma: int, vocab: int) -> None:
         if width:
             linear.linear_rows(torch.empty(gamma + 1, cfg.hidden_size), torch.empty(width, cfg.hidden_size))
     if experts:
+        # the every-expert form's weighted SwiGLU, which runs only on CUDA
+        inter = cfg.moe_intermediate_size
+        swiglu.swiglu_weighted(torch.empty(gamma + 1, min(8, experts + 1), 2 * inter, dtype=torch.bfloat16),
+                               torch.empty(gamma + 1, min(8, experts + 1)))
         logits, bias = torch.empty(64, experts), torch.zeros(experts)
         moe_route.moe_route(logits, bias, cfg.num_experts_per_tok, 1.0, True)
         moe_route.moe_route(logits, bias, cfg.num_experts_per_tok, 1.0, True, torch.empty(64, experts + 1), True)

@@ -101,7 +101,7 @@ def test_every_engine_launch_compiles_for_sm90(tmp_path):
     assert {"_rope_kernel", "_write_kv_kernel", "_index_queries_kernel", "_indexer_logits_kernel",
             "_topk_fused_kernel", "_group_max_kernel", "_threshold_kernel", "_collect_kernel", "_select_kernel",
             "_sparse_mla_fwd", "_route_kernel", "_race_kernel", "_emit_kernel", "_row_random_kernel",
-            "_one_row_kernel", "_norm_rows_kernel", "_linear_rows_kernel"} <= kernels
+            "_one_row_kernel", "_norm_rows_kernel", "_linear_rows_kernel", "_swiglu_weighted_kernel"} <= kernels
     fp8 = [x for x in launches if x.kernel.endswith(":_write_kv_kernel") and x.args["FP8"]]
     assert fp8, "no launch wrote the FP8 KV cache"
 

@@ -445,3 +445,11 @@ def moe_route(logits: torch.Tensor, bias: torch.Tensor, k: int, scaling: float, 
     if norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
     return weights * scaling, ids
+
+
+def swiglu_weighted(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The every-expert MoE form's activation: h [N, G, 2I] (each expert's gate half, then its up
+    half), routing weights w [N, G] fp32 -> w · silu(gate) · up [N, G, I] in h's dtype (silu and the
+    product in h's dtype, the weight in fp32, then cast). Twin of `megactx.kernels.swiglu.swiglu_weighted`."""
+    I = h.shape[-1] // 2
+    return (torch.nn.functional.silu(h[..., :I]) * h[..., I:] * w[..., None]).to(h.dtype)

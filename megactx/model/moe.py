@@ -124,22 +124,28 @@ class Experts(nn.Module):
         return out
 
     def forward_dense(self, x: torch.Tensor, dense: torch.Tensor, gate_up: torch.Tensor | None = None,
-                       down: torch.Tensor | None = None) -> torch.Tensor:
+                      down: torch.Tensor | None = None, kernel: bool | None = None) -> torch.Tensor:
         """Every expert on every token, EXPERT_GROUP experts side by side in two GEMMs (a handful of
         kernels, where a loop over the experts launched ~7 an expert: most of a graphed decode
         step's kernels). Σ_e w[n, e] · down_e(a[n, e]) = [w[n, e] · a[n, e]]_e @ [down_e]_e.
         gate_up [E', 2I, D] / down [E', D, I], dense [N, E']: other experts than this module's (its
-        own and the shared one: `MoE.fuse`)."""
+        own and the shared one: `MoE.fuse`). kernel: the weighted SwiGLU between the GEMMs as one
+        Triton kernel (`megactx.kernels.swiglu`) rather than its four PyTorch ones; default on CUDA
+        outside autograd (the kernel has no backward)."""
         gate_up = self.gate_up_proj if gate_up is None else gate_up
         down = self.down_proj if down is None else down
         E, two_i, D = gate_up.shape
         I = two_i // 2
+        if kernel is None:
+            kernel = x.is_cuda and not torch.is_grad_enabled()
+        act = ref.swiglu_weighted
+        if kernel:
+            from megactx.kernels.swiglu import swiglu_weighted as act
         out = None
         for e0 in range(0, E, EXPERT_GROUP):  # groups bound the [N, G·2I] activations of many-expert models
             g = min(EXPERT_GROUP, E - e0)
             h = F.linear(x, gate_up[e0 : e0 + g].reshape(g * two_i, D)).view(-1, g, two_i)  # gate | up
-            a = F.silu(h[..., :I]) * h[..., I:]  # [N, G, I]
-            a = (a * dense[:, e0 : e0 + g, None]).to(x.dtype).reshape(-1, g * I)  # weighted
+            a = act(h, dense[:, e0 : e0 + g]).reshape(-1, g * I)  # [N, G·I]: w · silu(gate) · up
             y = F.linear(a, down[e0 : e0 + g].permute(1, 0, 2).reshape(D, g * I))  # [N, D]
             out = y if out is None else out + y
         return out
