@@ -310,6 +310,7 @@ def call_long_rows(cfg, gamma: int, vocab: int) -> None:
     from megactx.kernels.indexer import indexer_logits
     from megactx.kernels.reference import BLOCK_SIZE, FP8, SCALE_GROUP
     from megactx.model.layers import RMSNorm
+    from megactx.model.moe import EXPERT_GROUP
 
     k, hi, di = cfg.index_topk, cfg.index_n_heads, cfg.index_head_dim
     r, dr, heads = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_attention_heads
@@ -348,9 +349,9 @@ def call_long_rows(cfg, gamma: int, vocab: int) -> None:
             linear.linear_rows(torch.empty(gamma + 1, cfg.hidden_size), torch.empty(width, cfg.hidden_size))
     if experts:
         # the every-expert form's weighted SwiGLU, which runs only on CUDA
-        inter = cfg.moe_intermediate_size
-        swiglu.swiglu_weighted(torch.empty(gamma + 1, min(8, experts + 1), 2 * inter, dtype=torch.bfloat16),
-                               torch.empty(gamma + 1, min(8, experts + 1)))
+        group = min(EXPERT_GROUP, experts + 1)  # + 1: the shared expert, stacked by MoE.fuse
+        swiglu.swiglu_weighted(torch.empty(gamma + 1, group, 2 * cfg.moe_intermediate_size, dtype=torch.bfloat16),
+                               torch.empty(gamma + 1, group))
         logits, bias = torch.empty(64, experts), torch.zeros(experts)
         moe_route.moe_route(logits, bias, cfg.num_experts_per_tok, 1.0, True)
         moe_route.moe_route(logits, bias, cfg.num_experts_per_tok, 1.0, True, torch.empty(64, experts + 1), True)

@@ -21,6 +21,7 @@ import triton.language as tl
 from torch import nn
 
 from megactx.kernels.common import check_device, next_power_of_2, to_bf16
+from megactx.model.layers import RMSNorm
 
 
 @triton.jit
@@ -69,18 +70,18 @@ def norm_rows(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     """module(x) for megactx's RMSNorm or an affine nn.LayerNorm over x's last dim, as a new
     contiguous tensor: strided rows (x [..., D] with its last dim contiguous, e.g. a column slice of
     a fused projection's output) in one kernel; anything else through the module itself."""
-    from megactx.model.layers import RMSNorm
-
-    if not isinstance(module, (RMSNorm, nn.LayerNorm)):
+    if not isinstance(module, (RMSNorm, nn.LayerNorm)) or x.is_contiguous():
         return module(x)
     weight, bias, eps = module.weight, getattr(module, "bias", None), module.eps
-    rms = isinstance(module, RMSNorm)
-    stride = _rows_stride(x)
-    if (x.is_contiguous() or stride is None or weight is None or weight.dtype != x.dtype
-            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))  # no backward here
-            or (bias is not None and bias.dtype != x.dtype) or weight.shape != x.shape[-1:]
-            or x.dtype not in (torch.float32, torch.bfloat16, torch.float16)):
+    if (weight is None or weight.dtype != x.dtype or weight.shape != x.shape[-1:]
+            or (bias is not None and bias.dtype != x.dtype)
+            or x.dtype not in (torch.float32, torch.bfloat16, torch.float16)
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):  # no backward here
         return module(x)
+    stride = _rows_stride(x)
+    if stride is None:
+        return module(x)
+    rms = isinstance(module, RMSNorm)
     check_device(x, weight)
     D = x.shape[-1]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)

@@ -140,17 +140,23 @@ class Indexer(nn.Module):
         return torch.matmul(w.unsqueeze(-2), logits).squeeze(-2)  # [B, S, T]
 
 
+def per_head_matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out[t, h] = a[t, h] @ w[h]: a [T, H, k], w [H, k, n], out [T, H, n] any view whose last dim is
+    contiguous (a slice of a wider buffer too). One batched GEMM over the heads writes the result
+    token-major in place (cuBLAS takes a strided result), where an einsum returns it head-major and
+    a token-major reader then copies it for T > 1. Outside autograd only (out= has no backward)."""
+    torch.bmm(a.transpose(0, 1), w, out=out.transpose(0, 1))
+    return out
+
+
 def heads_out(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     """Absorbed MLA's value projection: o_lat [T, H, r], w_uv [H, dv, r] -> [T, H·dv] token-major,
-    out[t, h·dv + v] = Σ_r o_lat[t, h, r] w_uv[h, v, r]. Outside autograd one batched GEMM over the
-    heads writes its result straight into the token-major buffer (cuBLAS takes a strided result);
-    an einsum returns it head-major, which the output projection's input had to copy for T > 1."""
+    out[t, h·dv + v] = Σ_r o_lat[t, h, r] w_uv[h, v, r] (`per_head_matmul` outside autograd, an
+    einsum under it)."""
     T, H, _ = o_lat.shape
     if torch.is_grad_enabled():
         return torch.einsum("shr,hvr->shv", o_lat, w_uv).reshape(T, -1)
-    out = o_lat.new_empty(T, H, w_uv.shape[1])
-    torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
-    return out.view(T, -1)
+    return per_head_matmul(o_lat, w_uv.transpose(1, 2), o_lat.new_empty(T, H, w_uv.shape[1])).view(T, -1)
 
 
 def _head_dots(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -208,9 +214,7 @@ class MLA(nn.Module):
         q_resid = norm(self.q_a_proj(x) if q_a_x is None else q_a_x, self.q_a_layernorm)
         q = self.q_b_proj(q_resid).view(B, S, self.n_heads, self.dn + self.dr)
         q_nope, q_pe = q.split([self.dn, self.dr], dim=-1)
-        if pe_out is not None:
-            return q_resid, q_nope, rope(q_pe, cos, sin, self.cfg.rope_interleave, out=pe_out)
-        return q_resid, q_nope, rope(q_pe, cos, sin, self.cfg.rope_interleave)
+        return q_resid, q_nope, rope(q_pe, cos, sin, self.cfg.rope_interleave, out=pe_out)
 
     def project_kv(self, x, cos, sin, rope=rope_first, kv_a_x=None, norm=apply_norm):
         """x: [B, S, D] -> c [B, S, r] (normed latent), k_pe [B, S, dr] (roped): the MLA cache entry.
@@ -365,8 +369,8 @@ class MLA(nn.Module):
 
         # absorbed MLA: MQA over the latent; the kernel reads the cache in its own layout
         w_uk, w_uv = self.wkv_b()
-        if q is not None:  # q_lat [T, H, r] = q_nope·W_UK a head, written token-major into q (cuBLAS: strided out)
-            torch.bmm(q_nope[0].transpose(0, 1), w_uk, out=q[:, :, : self.r].transpose(0, 1))
+        if q is not None:  # q_lat [T, H, r] = q_nope·W_UK a head, written into q's first r dims
+            per_head_matmul(q_nope[0], w_uk, q[:, :, : self.r])
         else:
             q_lat = torch.einsum("shd,hdr->shr", q_nope[0], w_uk)  # [T, H, r]
             q = torch.cat([q_lat, q_pe[0]], dim=-1)  # [T, H, r + dr]

@@ -43,14 +43,13 @@ def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     (14.5 / 12.6 us against 13.5 / 9.3), so weights past LINEAR_ROWS_MAX_WEIGHT keep F.linear, as do
     one row (cuBLAS's gemv), more rows, other dtypes, CPUs and autograd."""
     rows = x.numel() // max(x.shape[-1], 1)
-    if (x.is_cuda and x.dtype == weight.dtype == torch.float32 and 1 < rows
-            and weight.numel() <= LINEAR_ROWS_MAX_WEIGHT
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
-        from megactx.kernels.linear import MAX_ROWS, linear_rows
+    if (not x.is_cuda or x.dtype != torch.float32 or weight.dtype != torch.float32 or rows < 2
+            or weight.numel() > LINEAR_ROWS_MAX_WEIGHT
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        return F.linear(x, weight)
+    from megactx.kernels.linear import MAX_ROWS, linear_rows  # Triton: imported where it runs
 
-        if rows <= MAX_ROWS:
-            return linear_rows(x, weight)
-    return F.linear(x, weight)
+    return linear_rows(x, weight) if rows <= MAX_ROWS else F.linear(x, weight)
 
 
 def apply_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
