@@ -124,6 +124,48 @@ def test_every_expert_on_every_token_equals_the_routed_loop():
     torch.testing.assert_close(dense, routed, rtol=1e-4, atol=1e-4 * routed.abs().max().item())
 
 
+def test_linear_into_adds_a_linear_in_place():
+    """linear_into(x, w, into, bias) is into + F.linear(x, w, bias), written into `into` (a contiguous
+    one through the GEMM itself, another through an add)."""
+    from megactx.model.layers import linear_into
+
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(3, 5, 16, generator=gen), torch.randn(8, 16, generator=gen), torch.randn(8, generator=gen)
+    for bias in (None, b):
+        for into in (torch.randn(3, 5, 8, generator=gen), torch.randn(8, 5, 3, generator=gen).transpose(0, 2)):
+            want = into + torch.nn.functional.linear(x, w, bias)
+            got = linear_into(x, w, into, bias)
+            assert got is into
+            torch.testing.assert_close(got, want)
+
+
+def test_moe_and_mlp_add_their_output_into_a_residual():
+    """MLP / MoE(x, residual=r) return r + their output, in r's memory: the routed loop, the
+    every-expert form (in groups of experts, each group's down GEMM adding into the sum) and the
+    shared expert."""
+    from megactx.model.moe import MLP, MoE
+
+    cfg = ModelConfig.from_pretrained("tiny").replace(n_routed_experts=20, num_experts_per_tok=4)
+    gen = torch.Generator().manual_seed(0)
+    mlp, moe = MLP(cfg.hidden_size, 64), MoE(cfg)
+    for p in [*mlp.parameters(), *moe.parameters()]:
+        torch.nn.init.normal_(p, std=0.05)
+    x = torch.randn(1, 12, cfg.hidden_size, generator=gen)
+    residual = torch.randn(x.shape, generator=gen)
+    with torch.no_grad():
+        for module in (mlp, moe):
+            r = residual.clone()
+            got = module(x, residual=r)
+            assert got.data_ptr() == r.data_ptr()
+            torch.testing.assert_close(got, residual + module(x), rtol=1e-5, atol=1e-5)
+        flat, into = x.view(-1, cfg.hidden_size), residual.clone().view(-1, cfg.hidden_size)
+        weights, ids = moe.gate(flat)
+        dense = torch.zeros(len(flat), 20).scatter(1, ids, weights)  # 3 groups of at most EXPERT_GROUP
+        got = moe.experts.forward_dense(flat, dense, into=into)
+        assert got is into
+        torch.testing.assert_close(got, residual.view_as(into) + moe.experts(flat, weights, ids), rtol=1e-5, atol=1e-5)
+
+
 def test_group_limited_routing_never_leaves_the_chosen_groups():
     cfg = ModelConfig.from_pretrained("tiny").replace(n_routed_experts=8, n_group=4, topk_group=1,
                                                       num_experts_per_tok=2)

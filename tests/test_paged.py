@@ -151,6 +151,42 @@ def test_output_rows_compute_those_rows_and_write_every_rows_kv(backend):
             assert torch.equal(kv, want_kv) and (index is None or torch.equal(index, want_index))
 
 
+def test_in_place_layers_add_the_residual_in_their_gemms_and_overwrite_x_only_when_told():
+    """DecoderLayer(in_place=True) over a paged cache outside autograd computes what the plain form
+    does, its two residual adds inside o_proj's and the MLP's down GEMMs (dense MLP and MoE layers
+    here), into x itself; without in_place, or under autograd, x is left as it was."""
+    model = _tiny()
+    batch = PagedBatch.build([[0]], [0], [9], DEVICE)
+    positions = batch.positions[None]
+    x0 = torch.randn(1, 9, model.cfg.hidden_size, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    cos, sin = model.rotary(positions, x0.dtype)
+
+    def run(in_place: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """all layers one after another -> (output, each layer's input after its call)"""
+        caches = alloc_caches(model.cfg, 1, torch.float32, torch.float32, DEVICE)
+        x, inputs, topk_of = x0.clone(), [], {}
+        for i, layer in enumerate(model.model.layers):
+            src = model.cfg.topk_source(i)
+            cache = PagedLayerCache(*caches[i], batch, kernel_ops("torch"))
+            inputs.append(x)
+            x, topk_of[src] = layer(x, cos, sin, positions, topk_of.get(src), cache, in_place=in_place)
+        return x, inputs
+
+    assert [model.cfg.is_moe_layer(i) for i in range(4)] == [False, False, False, True]
+    with torch.no_grad():
+        want, inputs = run(False)
+        assert all(torch.equal(x, x0) for x in inputs[:1])  # the caller's x untouched
+        got, inputs_in_place = run(True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert all(x.data_ptr() == got.data_ptr() for x in inputs_in_place)  # one residual buffer, updated
+    with torch.enable_grad():  # autograd: the plain form, in_place or not
+        x = x0.clone()
+        caches = alloc_caches(model.cfg, 1, torch.float32, torch.float32, DEVICE)
+        model.model.layers[0](x, cos, sin, positions, None, PagedLayerCache(*caches[0], batch, kernel_ops("torch")),
+                              in_place=True)
+        assert torch.equal(x, x0)
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_fp8_indexer_cache_matches_the_simulated_fp8_indexer(backend):
     """An FP8 indexer cache selects what the reference's FP8 simulation selects (same rotation,
@@ -188,9 +224,10 @@ def test_fp8_mla_cache_equals_the_reference_on_rounded_latents():
         for attn in model.attention_modules():
             attn.project_kv = rounded(attn.project_kv)
         want = model(torch.tensor([prompt], device=DEVICE))[0]
-    # 1e-3, not 1e-5: a latent an ulp from an e4m3 rounding edge may round the other way when a
-    # chunk's matmul sums in another order; without the rounding the gap is 100x larger
-    assert (got - want).abs().max().item() <= 1e-3
+    # 2e-3, not 1e-5: a latent an ulp from an e4m3 rounding edge may round the other way when a
+    # chunk's matmul sums in another order, or the residual stream was summed in another (the paged
+    # path adds it inside the GEMMs: 1.2e-3 here); without the rounding the gap is 25x larger
+    assert (got - want).abs().max().item() <= 2e-3
     assert (got - exact).abs().max().item() > 5e-2
 
 

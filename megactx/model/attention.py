@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megactx.config import ModelConfig
-from megactx.model.layers import RMSNorm, apply_norm, fuse_linears, linear_fp32, rope_first
+from megactx.model.layers import RMSNorm, apply_norm, fuse_linears, linear_fp32, linear_into, rope_first
 from megactx.model.paged import OutputRows, PagedLayerCache
 from megactx.model.quant import hadamard, quantize_rows
 
@@ -255,7 +255,8 @@ class MLA(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                 topk: torch.Tensor | None = None, cache: LayerCache | None = None,
-                write_kv: bool = True, rows: OutputRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                write_kv: bool = True, rows: OutputRows | None = None,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [B, S, D]; cos/sin: [B or 1, S, dr] (Rotary); positions: [B or 1, S] absolute.
 
         topk: [B, S, K] key indices from this layer's full layer (required on shared layers;
@@ -264,14 +265,15 @@ class MLA(nn.Module):
         (KVShare draft steps). Returns (out [B, S, D], topk [B, S, K'] used).
 
         With a `PagedLayerCache` the same layer runs over paged caches instead (see `forward_paged`,
-        which alone takes `rows`).
+        which alone takes `rows` and `residual`).
         """
-        if rows is not None and not isinstance(cache, PagedLayerCache):
-            raise ValueError("rows (outputs of some rows only) needs a paged cache")
+        if (rows is not None or residual is not None) and not isinstance(cache, PagedLayerCache):
+            raise ValueError("rows (outputs of some rows only) and residual need a paged cache")
         if self.training_attention is not None:
-            return self.training_attention(self, x, cos, sin, positions, topk, cache, write_kv)
+            out, topk = self.training_attention(self, x, cos, sin, positions, topk, cache, write_kv)
+            return (out if residual is None else residual.add_(out)), topk
         if isinstance(cache, PagedLayerCache):
-            return self.forward_paged(x, cos, sin, topk, cache, write_kv, rows)
+            return self.forward_paged(x, cos, sin, topk, cache, write_kv, rows, residual)
         q_resid, q_nope, q_pe = self.project_q(x, cos, sin)
         if cache is None or write_kv:
             c, k_pe = self.project_kv(x, cos, sin)
@@ -320,8 +322,8 @@ class MLA(nn.Module):
         cache.ops.write_kv(c[0], k_pe[0], cache.batch.slots, cache.kv, index_k, cache.index)
 
     def forward_paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, topk: torch.Tensor | None,
-                      cache: PagedLayerCache, write_kv: bool = True,
-                      rows: OutputRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      cache: PagedLayerCache, write_kv: bool = True, rows: OutputRows | None = None,
+                      residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The paged form: x [1, T, D] is the batch's T tokens flattened (cos/sin [1, T, dr] at
         their positions); cache.batch says where each token sits. Writes the tokens' KV (and
         indexer keys on full layers) unless write_kv is False, selects top-k physical slots with
@@ -329,7 +331,9 @@ class MLA(nn.Module):
         absorbed form through cache.ops. Returns (out [1, T, D], topk slots [T, K] int32, -1 = none).
         rows: compute only these R rows' outputs (out [1, R, D], topk [R, K]); every row's KV is
         written still (a long prompt's last layer needs one row's output, its indexer would
-        score the whole context for every row)."""
+        score the whole context for every row). residual [1, T, D] (outside autograd): return
+        residual + out instead, o_proj's GEMM accumulating into residual in place (`linear_into`; with
+        rows, into residual's R rows, a copy)."""
         batch, ops = cache.batch, cache.ops
         q_a_x = None  # a draft step that writes no KV needs only q's projection
         if write_kv:
@@ -338,6 +342,7 @@ class MLA(nn.Module):
         if rows is not None:
             x, cos, sin = (t[:, rows.index] for t in (x, cos, sin))
             q_a_x = None if q_a_x is None else q_a_x[:, rows.index]
+            residual = None if residual is None else residual[:, rows.index]
             topk = None if topk is None else topk.index_select(0, rows.index)
             batch, cache = rows.batch, dataclasses.replace(cache, batch=rows.batch)
             if not len(rows):
@@ -380,4 +385,7 @@ class MLA(nn.Module):
         # Without write_kv (KVShare draft steps) the batch only names the sequences: no bound.
         out, _ = ops.sparse_mla(q, cache.kv, topk, self.softmax_scale, self.r,
                                 batch.key_len if write_kv else None)  # [T, H, r]
-        return self.o_proj(heads_out(out.to(x.dtype), w_uv)[None]), topk
+        o = heads_out(out.to(x.dtype), w_uv)[None]  # [1, T, H·dv]
+        if residual is None:
+            return self.o_proj(o), topk
+        return linear_into(o, self.o_proj.weight, residual, self.o_proj.bias), topk

@@ -9,7 +9,7 @@ from megactx.config import ModelConfig
 from megactx.model.attention import MLA, LayerCache
 from megactx.model.layers import RMSNorm
 from megactx.model.moe import MLP, MoE
-from megactx.model.paged import OutputRows
+from megactx.model.paged import OutputRows, PagedLayerCache
 
 
 class DecoderLayer(nn.Module):
@@ -23,10 +23,22 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                 topk: torch.Tensor | None = None, cache: LayerCache | None = None,
-                write_kv: bool = True, rows: OutputRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                write_kv: bool = True, rows: OutputRows | None = None,
+                in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [B, S, D] -> (x [B, S, D], topk [B, S, K]); arguments as in `MLA.forward`. rows (paged
-        caches): only those rows' outputs, x [1, R, D] and topk [R, K] (every row's KV is written)."""
-        attn, topk = self.self_attn(self.input_layernorm(x), cos, sin, positions, topk, cache, write_kv, rows)
+        caches): only those rows' outputs, x [1, R, D] and topk [R, K] (every row's KV is written).
+
+        in_place: the caller lets x be overwritten. Over a paged cache outside autograd (the
+        engine's inference) each residual add then rides in the GEMM that makes its addend, o_proj's
+        and the MLP's down projection (cuBLAS's β = 1, `layers.linear_into`), accumulating into x,
+        where an add kernel followed each: two kernels a layer, one rounding each instead of two."""
+        h = self.input_layernorm(x)
+        if in_place and isinstance(cache, PagedLayerCache) and not torch.is_grad_enabled():
+            x, topk = self.self_attn(h, cos, sin, positions, topk, cache, write_kv, rows, residual=x)
+            if rows is not None and not len(rows):
+                return x, topk
+            return self.mlp(self.post_attention_layernorm(x), residual=x), topk
+        attn, topk = self.self_attn(h, cos, sin, positions, topk, cache, write_kv, rows)
         if rows is not None:
             if not len(rows):  # nothing to compute past the KV
                 return attn, topk

@@ -52,6 +52,22 @@ def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return linear_rows(x, weight) if rows <= MAX_ROWS else F.linear(x, weight)
 
 
+def linear_into(x: torch.Tensor, weight: torch.Tensor, into: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """into += F.linear(x, weight, bias), in place: x [..., K], weight [N, K], into [..., N] (x's
+    dtype) -> into. A residual add riding in the GEMM that makes its addend: cuBLAS adds `into`
+    in the GEMM's epilogue (β = 1, fp32 inside, one rounding), where F.linear and an add are two
+    kernels and two roundings. A non-contiguous `into` takes the two kernels. For a buffer the
+    caller owns, outside autograd."""
+    if not into.is_contiguous():
+        return into.add_(F.linear(x, weight, bias))
+    flat = into.view(-1, into.shape[-1])
+    flat.addmm_(x.reshape(-1, x.shape[-1]), weight.t())
+    if bias is not None:
+        flat.add_(bias)
+    return into
+
+
 def apply_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     """norm(x): the twin of `megactx.kernels.norm.norm_rows` (the paged path passes its backend's)."""
     return norm(x)

@@ -15,7 +15,7 @@ from torch import nn
 
 from megactx.config import ModelConfig
 from megactx.kernels import reference as ref
-from megactx.model.layers import fuse_linears, linear_fp32
+from megactx.model.layers import fuse_linears, linear_fp32, linear_into
 
 
 class MLP(nn.Module):
@@ -33,11 +33,17 @@ class MLP(nn.Module):
             self.gate_up = fuse_linears(self.gate_proj, self.up_proj)
         return int(self.gate_up is not None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [..., D] -> [..., D]; residual (x's shape, outside autograd): residual + the output,
+        accumulated into residual in place by the down projection's GEMM (`linear_into`)."""
         if self.gate_up is not None:
             gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            act = F.silu(gate) * up
+        else:
+            act = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        if residual is None:
+            return self.down_proj(act)
+        return linear_into(act, self.down_proj.weight, residual, self.down_proj.bias)
 
 
 class Router(nn.Module):
@@ -124,14 +130,17 @@ class Experts(nn.Module):
         return out
 
     def forward_dense(self, x: torch.Tensor, dense: torch.Tensor, gate_up: torch.Tensor | None = None,
-                      down: torch.Tensor | None = None, kernel: bool | None = None) -> torch.Tensor:
+                      down: torch.Tensor | None = None, kernel: bool | None = None,
+                      into: torch.Tensor | None = None) -> torch.Tensor:
         """Every expert on every token, EXPERT_GROUP experts side by side in two GEMMs (a handful of
         kernels, where a loop over the experts launched ~7 an expert: most of a graphed decode
         step's kernels). Σ_e w[n, e] · down_e(a[n, e]) = [w[n, e] · a[n, e]]_e @ [down_e]_e.
         gate_up [E', 2I, D] / down [E', D, I], dense [N, E']: other experts than this module's (its
         own and the shared one: `MoE.fuse`). kernel: the weighted SwiGLU between the GEMMs as one
         Triton kernel (`megactx.kernels.swiglu`) rather than its four PyTorch ones; default on CUDA
-        outside autograd (the kernel has no backward)."""
+        outside autograd (the kernel has no backward). into [N, D] (outside autograd): the output is
+        accumulated into it in place and it is returned (each group's down GEMM adds into the sum so
+        far, `linear_into`: no add kernels)."""
         gate_up = self.gate_up_proj if gate_up is None else gate_up
         down = self.down_proj if down is None else down
         E, two_i, D = gate_up.shape
@@ -141,13 +150,13 @@ class Experts(nn.Module):
         act = ref.swiglu_weighted
         if kernel:
             from megactx.kernels.swiglu import swiglu_weighted as act
-        out = None
+        out = into
         for e0 in range(0, E, EXPERT_GROUP):  # groups bound the [N, G·2I] activations of many-expert models
             g = min(EXPERT_GROUP, E - e0)
             h = F.linear(x, gate_up[e0 : e0 + g].reshape(g * two_i, D)).view(-1, g, two_i)  # gate | up
             a = act(h, dense[:, e0 : e0 + g]).reshape(-1, g * I)  # [N, G·I]: w · silu(gate) · up
-            y = F.linear(a, down[e0 : e0 + g].permute(1, 0, 2).reshape(D, g * I))  # [N, D]
-            out = y if out is None else out + y
+            w_down = down[e0 : e0 + g].permute(1, 0, 2).reshape(D, g * I)
+            out = F.linear(a, w_down) if out is None else linear_into(a, w_down, out)  # [N, D]
         return out
 
 
@@ -191,9 +200,12 @@ class MoE(nn.Module):
         self.with_shared = (gate_up, down)
         return 0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [B, S, D]
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [B, S, D] -> [B, S, D]; residual (x's shape, outside autograd): residual + the output,
+        accumulated into residual in place where it is contiguous (on the every-expert form by the
+        down GEMMs themselves, `linear_into`: no add kernel)."""
         flat = x.reshape(-1, x.shape[-1])
+        into = None if residual is None else residual.reshape(flat.shape)
         if self.experts.runs_dense(flat):
             # every expert's weight (from the routing kernel on the engine's CUDA path); the shared
             # expert as expert E at weight 1 where fuse() stacked it
@@ -201,9 +213,12 @@ class MoE(nn.Module):
             dense = torch.empty(flat.shape[0], self.gate.n_experts + folded, dtype=torch.float32, device=flat.device)
             self.gate(flat, dense, shared_column=folded)
             if folded:
-                return self.experts.forward_dense(flat, dense, *self.with_shared).view_as(x)
-            out = self.experts.forward_dense(flat, dense).view_as(x)
+                return self.experts.forward_dense(flat, dense, *self.with_shared, into=into).view_as(x)
+            out = self.experts.forward_dense(flat, dense, into=into).view_as(x)
         else:
             weights, ids = self.gate(flat)
-            out = self.experts(flat, weights, ids).view_as(x)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+            out = self.experts(flat, weights, ids)
+            out = (out if into is None else into.add_(out)).view_as(x)
+        if self.shared_experts is None:
+            return out
+        return out + self.shared_experts(x) if residual is None else self.shared_experts(x, residual=out)

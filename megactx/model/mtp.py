@@ -48,7 +48,7 @@ class MTPLayer(DecoderLayer):
         -> (output hidden [B, S, D] before shared_head.norm, topk [B, S, K]); rows as in
         `DecoderLayer.forward`."""
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
-        return super().forward(x, cos, sin, positions, topk, cache, write_kv, rows)
+        return super().forward(x, cos, sin, positions, topk, cache, write_kv, rows, in_place=True)  # x is ours
 
 
 @dataclass

@@ -124,7 +124,8 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.model.layers):
             src = self.cfg.topk_source(i)
             cache = caches[i] if caches is not None else None
-            x, topk_of[src] = layer(x, cos, sin, positions, topk_of.get(src), cache, rows=rows if i == last else None)
+            x, topk_of[src] = layer(x, cos, sin, positions, topk_of.get(src), cache, rows=rows if i == last else None,
+                                    in_place=True)  # x: the embedding's output, then the layers'; ours
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
