@@ -342,11 +342,12 @@ def call_long_rows(cfg, gamma: int, vocab: int) -> None:
             norm.norm_rows(wide[:, :q_lora], RMSNorm(q_lora).bfloat16())
         norm.norm_rows(wide[:, -di:], torch.nn.LayerNorm(di).bfloat16())
     experts = cfg.n_routed_experts
-    # a verify's few-row fp32 linears (routers, indexer head weights), which linear_fp32 sends to the
-    # kernel only on a GPU
+    # the few-row fp32 linears of a decode step and a verify (routers, indexer head weights) over the
+    # model's bf16 rows, which linear_fp32 sends to the kernel only on a GPU
     for width in (experts, hi):
-        if width:
-            linear.linear_rows(torch.empty(gamma + 1, cfg.hidden_size), torch.empty(width, cfg.hidden_size))
+        for rows in (1, gamma + 1) if width else ():
+            linear.linear_rows(torch.empty(rows, cfg.hidden_size, dtype=torch.bfloat16),
+                               torch.empty(width, cfg.hidden_size))
     if experts:
         # the every-expert form's weighted SwiGLU, which runs only on CUDA
         group = min(EXPERT_GROUP, experts + 1)  # + 1: the shared expert, stacked by MoE.fuse

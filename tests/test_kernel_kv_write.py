@@ -6,6 +6,8 @@ the `gpu` tests repeat the checks on CUDA at serving sizes and under CUDA-graph 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -145,6 +147,108 @@ def test_write_kv_skips_out_of_range_slots_without_a_check():
 
 def test_write_kv_takes_fp16_inputs_and_int32_slots():
     _check_against_twin(7, (128, 32, 64), True, True, torch.float16, DEVICE, num_blocks=2, slot_dtype=torch.int32)
+
+
+# ------------------------------------------------------------------------------ keys made on the way
+def _preps(N, geometry, dtype, index_fp8, interleave, seed=0):
+    """The paged layer's KeyPreps at random: an RMSNorm of the latent, a LayerNorm of the indexer key
+    (weights in the inputs' dtype), cos / sin rows of random angles, the Hadamard rotation for an FP8
+    indexer cache; and their fp32 twins (the modules and tables in fp32)."""
+    from megactx.model.layers import RMSNorm
+    from megactx.model.quant import hadamard
+
+    r, dr, DI = geometry
+    g = torch.Generator().manual_seed(seed)
+    rms, ln = RMSNorm(r), torch.nn.LayerNorm(DI)
+    with torch.no_grad():
+        for p in (rms.weight, ln.weight):
+            p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g))
+        ln.bias.copy_(0.2 * torch.randn(DI, generator=g))
+    angles = 6.3 * torch.rand(N, dr // 2, generator=g)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([-angles.sin(), angles.sin()], -1)
+    rotation = hadamard(DI) if index_fp8 else None
+
+    def preps(dt, device):
+        norms = [copy.deepcopy(m).to(device, dt) for m in (rms, ln)]
+        tables = cos.to(device, dt), sin.to(device, dt)
+        return (ref.KeyPrep(norms[0], *tables, interleave),
+                ref.KeyPrep(norms[1], *tables, interleave, None if rotation is None else rotation.to(device)))
+    return preps(dtype, DEVICE), preps(torch.float32, "cpu")
+
+
+def _keys_read(kv, idx, written, r, DI):
+    """What the caches hold at the written slots, dequantized: [n, r + dr] and [n, DI] fp32 on the CPU."""
+    kv, idx, written = kv.cpu(), idx.cpu(), written.cpu()
+    values, scales = ref.read_index_k(idx, written, DI)
+    return ref.read_kv(kv, written, r), values * scales[:, None]
+
+
+@pytest.mark.parametrize("interleave", [True, False], ids=["interleaved", "half-split"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["exact-caches", "fp8-caches"])
+@pytest.mark.parametrize("geometry", [GEOMETRIES[2], GLM], ids=["r128", "glm"])
+def test_write_kv_makes_the_keys_from_projections(geometry, fp8, dtype, interleave, monkeypatch):
+    """Given the projections and the layer's KeyPreps the kernel normalises, ropes (and, for an FP8
+    indexer cache, rotates) in its own program, never through the twin's ops, and stores keys within
+    the error rule of the twin doing the same (its ops, then the write), against fp32 keys: exact
+    caches of the inputs' dtype, or both caches FP8."""
+    _check_preps(9, 3, geometry, fp8, dtype, interleave, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("interleave", [True, False], ids=["interleaved", "half-split"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["exact-caches", "fp8-caches"])
+def test_write_kv_makes_the_keys_from_projections_cuda(fp8, dtype, interleave, monkeypatch):
+    _check_preps(130, 5, GLM, fp8, dtype, interleave, monkeypatch)
+
+
+def _check_preps(N, num_blocks, geometry, fp8, dtype, interleave, monkeypatch):
+    import megactx.kernels.kv_write as kv_write
+
+    r, dr, DI = geometry
+    c, k_pe, index_k = _inputs(N, geometry, dtype, DEVICE)
+    slots = _slots(N, num_blocks, DEVICE)
+    (mla, index), (mla32, index32) = _preps(N, geometry, dtype, fp8, interleave)
+    cache_dtype = torch.uint8 if fp8 else dtype
+    kv = ref.alloc_kv_cache(num_blocks, r, dr, fp8, DEVICE, dtype)
+    idx = ref.alloc_index_cache(num_blocks, DI, DEVICE, cache_dtype)
+    with monkeypatch.context() as m:
+        m.setattr(kv_write, "prepare_keys", lambda *a: pytest.fail("the kernel sent a prep to the twin's ops"))
+        write_kv(c, k_pe, slots, kv, index_k, idx, mla_prep=mla, index_prep=index)
+
+    cpu = [t.cpu() for t in (c, k_pe, index_k, slots)]
+    kv_twin = ref.alloc_kv_cache(num_blocks, r, dr, fp8, "cpu", dtype)
+    idx_twin = ref.alloc_index_cache(num_blocks, DI, "cpu", cache_dtype)
+    ref.write_kv(cpu[0], cpu[1], cpu[3], kv_twin, cpu[2], idx_twin,
+                 mla_prep=ref.KeyPrep(mla.norm.cpu(), mla.cos.cpu(), mla.sin.cpu(), interleave),
+                 index_prep=ref.KeyPrep(index.norm.cpu(), index.cos.cpu(), index.sin.cpu(), interleave,
+                                        None if index.rotation is None else index.rotation.cpu()))
+    keep = cpu[3] >= 0
+    c32, pe32, ik32 = ref.prepare_keys(*(t.float() for t in cpu[:3]), mla32, index32)
+    exact = torch.cat([c32, pe32], -1)[keep], ik32[keep]
+    got = _keys_read(kv, idx, cpu[3][keep], r, DI)
+    twin = _keys_read(kv_twin, idx_twin, cpu[3][keep], r, DI)
+    for name, g, t, e in zip(("MLA", "indexer"), got, twin, exact):
+        kernel_err, twin_err = (g - e).abs().max().item(), (t - e).abs().max().item()
+        assert kernel_err <= 2 * twin_err + 1e-5 * e.abs().max().item(), (name, kernel_err, twin_err)
+
+
+def test_write_kv_sends_preps_it_does_not_take_to_the_twins_ops():
+    """A norm the kernel does not compute (here an Identity) and a rotation over an exact indexer
+    cache go through `reference.prepare_keys` first: the same bytes as the twin."""
+    N, num_blocks, geometry = 7, 2, GEOMETRIES[2]
+    r, dr, DI = geometry
+    c, k_pe, index_k = _inputs(N, geometry, torch.float32, DEVICE)
+    slots = _slots(N, num_blocks, DEVICE)
+    (mla, index), _ = _preps(N, geometry, torch.float32, True, True)
+    mla = ref.KeyPrep(torch.nn.Identity(), mla.cos, mla.sin, True)
+    caches = [(ref.alloc_kv_cache(num_blocks, r, dr, False, DEVICE, torch.float32),
+               ref.alloc_index_cache(num_blocks, DI, DEVICE, torch.float32)) for _ in range(2)]
+    write_kv(c, k_pe, slots, caches[0][0], index_k, caches[0][1], mla_prep=mla, index_prep=index)
+    ref.write_kv(c, k_pe, slots, caches[1][0], index_k, caches[1][1], mla_prep=mla, index_prep=index)
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
 
 
 def _rounding_cases():

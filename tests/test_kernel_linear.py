@@ -30,6 +30,15 @@ def test_matches_f_linear(rows, E, D):
     torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5 * D**0.5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reads_x_in_the_models_dtype(dtype):
+    """A bf16 / fp16 x is widened in the kernel, exactly as x.float() would be (no cast kernel first)."""
+    for rows in (1, 4):
+        x, w = _case(rows, 4, 64, seed=rows)
+        x = x.to(dtype)
+        torch.testing.assert_close(linear_rows(x, w), F.linear(x.float(), w), rtol=1e-5, atol=1e-5 * 8)
+
+
 def test_keeps_leading_dims_and_refuses_what_it_cannot_do():
     x, w = _case(4, 4, 32, lead=(1,))  # [1, 4, 32], the indexer's head weights' input
     x = x.contiguous()
@@ -37,13 +46,16 @@ def test_keeps_leading_dims_and_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="at most"):
         linear_rows(torch.zeros(MAX_ROWS + 1, 32, device=DEVICE), w)
     with pytest.raises(ValueError, match="fp32"):
-        linear_rows(x.bfloat16(), w)
+        linear_rows(x, w.bfloat16())
+    with pytest.raises(ValueError, match="fp32"):
+        linear_rows(x.to(torch.int32), w)
 
 
 def test_linear_fp32_is_f_linear_on_a_cpu_and_under_autograd():
     w = torch.randn(4, 16, requires_grad=True)
     x = torch.randn(3, 16)
     assert torch.equal(linear_fp32(x, w), F.linear(x, w))
+    assert torch.equal(linear_fp32(x.bfloat16(), w), F.linear(x.bfloat16().float(), w))  # x widened first
     linear_fp32(x, w).sum().backward()
     torch.testing.assert_close(w.grad, x.sum(0).expand(4, -1))
 
@@ -51,11 +63,12 @@ def test_linear_fp32_is_f_linear_on_a_cpu_and_under_autograd():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_linear_fp32_on_a_gpu_at_model_sizes():
-    # megactx-tiny's router and GLM-5.2's router and indexer head weights, 1 to 32 rows: the kernel
-    # for 2-8 rows of a small weight, F.linear otherwise, the same products either way.
+    # megactx-tiny's router and GLM-5.2's router and indexer head weights, 1 to 32 rows of fp32 or the
+    # model's bf16: the kernel for 1-8 rows of a small weight, F.linear otherwise, the same products.
     for E, D in ((4, 256), (256, 6144), (32, 6144)):
         for rows in (1, 2, 4, 8, 9, 32):
-            x, w = _case(rows, E, D, seed=rows)
-            torch.testing.assert_close(linear_fp32(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5 * D**0.5)
+            x32, w = _case(rows, E, D, seed=rows)
+            for x in (x32, x32.bfloat16()):
+                torch.testing.assert_close(linear_fp32(x, w), F.linear(x.float(), w), rtol=1e-5, atol=1e-5 * D**0.5)
         x, w = _case(4, E, D)  # the kernel itself at every size (linear_fp32 keeps F.linear for large W)
         torch.testing.assert_close(linear_rows(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5 * D**0.5)

@@ -1,15 +1,18 @@
-"""fp32 x·Wᵀ for a few rows: the MoE routers and the indexers' head weights of a speculative verify.
+"""fp32 x·Wᵀ for a few rows: the MoE routers and the indexers' head weights of a decode step or a
+speculative verify.
 
-Those weights stay fp32 (as in the published checkpoints), and for 2-8 rows cuBLAS picks a SIMT
-GEMM plus a split-K reduction, two kernels of ~5 us at megactx-tiny's size where one row gets a
-~2 us gemv (an H100's verify graph, 2026-12-05: 17 such pairs, 90 us of its 1,050 us of kernels;
-a batched gemv with the weight broadcast, ~2.2 us on its own, was given the same GEMM inside the
-engine). Here one kernel: each program takes BLOCK_E output columns (rows of W) for every row of x
-and sums x·w over D in fp32 (products and sums, no tensor-core dot: no TF32 rounding), reading W
-once. Its programs walk D in series, so a large W (GLM-5.2's routers) is slower than cuBLAS:
-`linear_fp32` sends only small ones here (measured there).
+Those weights stay fp32 (as in the published checkpoints) while x is the model's dtype, so PyTorch
+first casts x to fp32 (a kernel), then for 2-8 rows cuBLAS picks a SIMT GEMM plus a split-K
+reduction, two kernels of ~5 us at megactx-tiny's size where one row gets a ~2 us gemv (an H100's
+verify graph, 2026-12-05: 17 such pairs, 90 us of its 1,050 us of kernels; a batched gemv with the
+weight broadcast, ~2.2 us on its own, was given the same GEMM inside the engine). Here one kernel:
+it reads x in its own dtype and widens it to fp32 (exact: the cast's values), each program takes
+BLOCK_E output columns (rows of W) for every row of x and sums x·w over D in fp32 (products and
+sums, no tensor-core dot: no TF32 rounding), reading W once. Its programs walk D in series, so a
+large W (GLM-5.2's routers) is slower than cuBLAS: `linear_fp32` sends only small ones here
+(measured there).
 
-The twin is `F.linear(x, w)` itself; `megactx.model.layers.linear_fp32` picks this kernel.
+The twin is `F.linear(x.float(), w)` itself; `megactx.model.layers.linear_fp32` picks this kernel.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ PROGRAMS = 128  # about one wave on an H100 / H200: W is read once, spread over 
 
 @triton.jit
 def _linear_rows_kernel(
-    x_ptr, stride_x,    # x: [R, D] fp32, rows stride_x apart
+    x_ptr, stride_x,    # x: [R, D] fp32, bf16 or fp16, rows stride_x apart
     w_ptr, stride_w,    # w: [E, D] fp32, rows stride_w apart
     out_ptr,            # [R, E] fp32 contiguous
     R, E, D,
@@ -38,20 +41,23 @@ def _linear_rows_kernel(
     for d0 in range(0, D, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
         x = tl.load(x_ptr + offs_r[:, None] * stride_x + offs_d[None, :],
-                    mask=(offs_r[:, None] < R) & (offs_d[None, :] < D), other=0.0)  # [BLOCK_R, BLOCK_D]
+                    mask=(offs_r[:, None] < R) & (offs_d[None, :] < D), other=0.0).to(tl.float32)  # [BLOCK_R, BLOCK_D]
         w = tl.load(w_ptr + offs_e[:, None].to(tl.int64) * stride_w + offs_d[None, :],
                     mask=(offs_e[:, None] < E) & (offs_d[None, :] < D), other=0.0)  # [BLOCK_E, BLOCK_D]
         acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
     tl.store(out_ptr + offs_r[:, None] * E + offs_e[None, :], acc, mask=(offs_r[:, None] < R) & (offs_e[None, :] < E))
 
 
+X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def linear_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [..., D] fp32 with at most MAX_ROWS rows, w [E, D] fp32 (last dims contiguous) -> x·wᵀ
-    [..., E] fp32, as F.linear(x, w)."""
+    """x [..., D] (fp32, bf16 or fp16) with at most MAX_ROWS rows, w [E, D] fp32 -> x·wᵀ [..., E]
+    fp32, as F.linear(x.float(), w)."""
     D = x.shape[-1]
-    if x.dtype != torch.float32 or w.dtype != torch.float32 or w.dim() != 2 or w.shape[1] != D:
-        raise ValueError(f"linear_rows needs fp32 x [..., D] and fp32 w [E, D], got x {x.dtype} "
-                         f"{tuple(x.shape)} and w {w.dtype} {tuple(w.shape)}")
+    if x.dtype not in X_DTYPES or w.dtype != torch.float32 or w.dim() != 2 or w.shape[1] != D:
+        raise ValueError(f"linear_rows needs x [..., D] in fp32, bf16 or fp16 and fp32 w [E, D], got x "
+                         f"{x.dtype} {tuple(x.shape)} and w {w.dtype} {tuple(w.shape)}")
     rows = x.reshape(-1, D)  # a view for the callers' contiguous rows
     R, E = rows.shape[0], w.shape[0]
     if R > MAX_ROWS:

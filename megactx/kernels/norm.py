@@ -25,6 +25,30 @@ from megactx.model.layers import RMSNorm
 
 
 @triton.jit
+def norm_stats(x, mask, D, eps, RMS: tl.constexpr):
+    """x: fp32 [BLOCK] values of a row of D (padding lanes 0) -> (mean, den) such that the norm is
+    (x - mean) / den: RMSNorm's (0, √(mean x² + eps)), LayerNorm's (mean x, √(var x + eps))."""
+    if RMS:
+        mean = 0.0
+        centred = x
+    else:
+        mean = tl.sum(x, 0) / D
+        centred = tl.where(mask, x - mean, 0.0)
+    # sqrt_rn (and div_rn in norm_apply): IEEE root and division, as PyTorch's kernels (Triton's are approximate)
+    return mean, tl.sqrt_rn(tl.sum(centred * centred, 0) / D + eps)
+
+
+@triton.jit
+def norm_apply(x, w_ptr, b_ptr, offs, mask, mean, den, HAS_BIAS: tl.constexpr):
+    """The norm of some of a row's values x (fp32, at offs of the row; stats from `norm_stats`):
+    (x - mean) / den · w[offs] (+ b[offs]), fp32."""
+    y = tl.math.div_rn(x - mean, den) * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        y = y + tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return y
+
+
+@triton.jit
 def _norm_rows_kernel(
     x_ptr, stride_xr,   # x: [rows, D], last dim contiguous, rows stride_xr apart
     w_ptr, b_ptr,       # weight [D] (and bias [D] when HAS_BIAS), x's dtype
@@ -36,13 +60,8 @@ def _norm_rows_kernel(
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
     x = tl.load(x_ptr + row * stride_xr + offs, mask=mask, other=0.0).to(tl.float32)
-    if not RMS:  # LayerNorm: centre first (padding lanes stay 0)
-        x = tl.where(mask, x - tl.sum(x, 0) / D, 0.0)
-    # div_rn / sqrt_rn: IEEE division and root, as PyTorch's kernels (Triton's `/` is approximate)
-    y = tl.math.div_rn(x, tl.sqrt_rn(tl.sum(x * x, 0) / D + eps))
-    y = y * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        y = y + tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    mean, den = norm_stats(x, mask, D, eps, RMS)
+    y = norm_apply(x, w_ptr, b_ptr, offs, mask, mean, den, HAS_BIAS)
     if OUT_BF16:
         y = to_bf16(y)
     tl.store(out_ptr + row * D + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
@@ -66,28 +85,36 @@ def _rows_stride(x: torch.Tensor) -> int | None:
     return x.shape[-1] if stride is None else stride
 
 
+def kernel_norm(module: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None, float, bool] | None:
+    """(weight, bias or None, eps, rms) of a norm the kernels compute as `module` does on inputs of
+    `dtype` — megactx's RMSNorm or an affine nn.LayerNorm over one dim, parameters in that dtype
+    (fp32, bf16 or fp16) — else None (the module runs itself)."""
+    if not isinstance(module, (RMSNorm, nn.LayerNorm)) or dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return None
+    weight, bias = module.weight, getattr(module, "bias", None)
+    if weight is None or weight.dim() != 1 or weight.dtype != dtype or (bias is not None and bias.dtype != dtype):
+        return None
+    return weight, bias, float(module.eps), isinstance(module, RMSNorm)
+
+
 def norm_rows(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     """module(x) for megactx's RMSNorm or an affine nn.LayerNorm over x's last dim, as a new
     contiguous tensor: strided rows (x [..., D] with its last dim contiguous, e.g. a column slice of
     a fused projection's output) in one kernel; anything else through the module itself."""
-    if not isinstance(module, (RMSNorm, nn.LayerNorm)) or x.is_contiguous():
+    params = None if x.is_contiguous() else kernel_norm(module, x.dtype)
+    if (params is None or params[0].shape != x.shape[-1:]
+            or (torch.is_grad_enabled() and (x.requires_grad or params[0].requires_grad))):  # no backward here
         return module(x)
-    weight, bias, eps = module.weight, getattr(module, "bias", None), module.eps
-    if (weight is None or weight.dtype != x.dtype or weight.shape != x.shape[-1:]
-            or (bias is not None and bias.dtype != x.dtype)
-            or x.dtype not in (torch.float32, torch.bfloat16, torch.float16)
-            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):  # no backward here
-        return module(x)
+    weight, bias, eps, rms = params
     stride = _rows_stride(x)
     if stride is None:
         return module(x)
-    rms = isinstance(module, RMSNorm)
     check_device(x, weight)
     D = x.shape[-1]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rows = x.numel() // D if D else 0
     if rows:
-        _norm_rows_kernel[(rows,)](x, stride, weight, weight if bias is None else bias, out, float(eps), D,
+        _norm_rows_kernel[(rows,)](x, stride, weight, weight if bias is None else bias, out, eps, D,
                                    BLOCK_D=next_power_of_2(D), RMS=rms, HAS_BIAS=bias is not None,
                                    OUT_BF16=x.dtype == torch.bfloat16, num_warps=4 if D >= 1024 else 1)
     return out

@@ -20,7 +20,10 @@ block_id * 64 + offset; slot -1 means "no token"):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+from torch import nn
 
 from megactx.model.quant import FP8, quantize_rows
 
@@ -53,12 +56,50 @@ def alloc_index_cache(num_blocks: int, index_dim: int, device: str | torch.devic
 
 
 # ------------------------------------------------------------------------------ KV write
+@dataclass(frozen=True)
+class KeyPrep:
+    """What turns a layer's projections into the keys its caches store, for `write_kv` to apply on
+    the way (the paged layer's: the Triton write does it in its own kernel, where a norm and a rope
+    each took one): `norm` (the layer's RMSNorm, or the indexer's LayerNorm) on the latent (MLA) or
+    the key (indexer); rope with cos / sin [N, rope_dims] (`Rotary`'s rows, a token each) on the
+    rope key (MLA) or the key's first rope_dims dims (indexer), `interleave` as the model's; for an
+    FP8 indexer cache, `rotation` [DI, DI] fp32 after the rope (the indexer's Hadamard). Each step
+    rounds to the input's dtype, as the separate ops do."""
+
+    norm: nn.Module
+    cos: torch.Tensor
+    sin: torch.Tensor
+    interleave: bool
+    rotation: torch.Tensor | None = None
+
+
+def prepare_keys(c: torch.Tensor, k_pe: torch.Tensor, index_k: torch.Tensor | None, mla: KeyPrep | None,
+                 index: KeyPrep | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The keys `write_kv` stores, from projections and their KeyPreps (None: stored as given): the
+    layer's own ops, one after another."""
+    from megactx.model.layers import rope_first  # (megactx.model imports this module)
+
+    if mla is not None:
+        c = mla.norm(c)
+        k_pe = rope_first(k_pe[None], mla.cos[None], mla.sin[None], mla.interleave)[0]
+    if index is not None and index_k is not None:
+        index_k = rope_first(index.norm(index_k)[None], index.cos[None], index.sin[None], index.interleave,
+                             index.cos.shape[-1])[0]
+        if index.rotation is not None:
+            index_k = index_k.float() @ index.rotation
+    return c, k_pe, index_k
+
+
 def write_kv(c: torch.Tensor, k_pe: torch.Tensor, slots: torch.Tensor, kv_cache: torch.Tensor,
-             index_k: torch.Tensor | None = None, index_cache: torch.Tensor | None = None) -> None:
+             index_k: torch.Tensor | None = None, index_cache: torch.Tensor | None = None, *,
+             mla_prep: KeyPrep | None = None, index_prep: KeyPrep | None = None) -> None:
     """Store new tokens into the paged caches, in place. Slots of -1 are skipped.
 
     c: [N, r] latent, k_pe: [N, dr] roped key, slots: [N] int; index_k: [N, DI] (full layers
-    only, with index_cache). The cache dtype picks the layout: bf16, or uint8 = FP8 (656 B)."""
+    only, with index_cache). The cache dtype picks the layout: bf16, or uint8 = FP8 (656 B).
+    mla_prep / index_prep: c, k_pe / index_k are projections, made into those keys first
+    (`prepare_keys`)."""
+    c, k_pe, index_k = prepare_keys(c, k_pe, index_k, mla_prep, index_prep)
     keep = slots >= 0
     c, k_pe, slots = c[keep], k_pe[keep], slots[keep].long()
     block, offset = slots // BLOCK_SIZE, slots % BLOCK_SIZE

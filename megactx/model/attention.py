@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megactx.config import ModelConfig
+from megactx.kernels import reference as ref  # attributes read at call time (see model/paged.py)
 from megactx.model.layers import RMSNorm, apply_norm, fuse_linears, linear_fp32, linear_into, rope_first
 from megactx.model.paged import OutputRows, PagedLayerCache
 from megactx.model.quant import hadamard, quantize_rows
@@ -100,21 +101,23 @@ class Indexer(nn.Module):
         return hadamard(self.head_dim, device=device)
 
     # The first rope_dim dims are rotated (the MLA query puts rope last; the indexer first). `rope`:
-    # layers.rope_first or its fused kernel, `norm` layers.apply_norm or its strided-row kernel (the
-    # paged path passes its backend's).
-    def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope=rope_first,
-             wk_x: torch.Tensor | None = None, norm=apply_norm) -> torch.Tensor:
-        """x: [B, S, D] -> k: [B, S, DI], what the indexer cache stores. wk_x: wk(x) when computed
-        already (in MLA's fused input projection: a strided slice of its output)."""
-        k = norm(self.wk(x) if wk_x is None else wk_x, self.k_norm)
-        return rope(k, cos, sin, self.rope_interleave, self.rope_dim)
+    # layers.rope_first or its fused kernel (the paged path passes its backend's).
+    def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [B, S, D] -> k: [B, S, DI], what the indexer cache stores (the paged path: `key_prep`)."""
+        return rope_first(self.k_norm(self.wk(x)), cos, sin, self.rope_interleave, self.rope_dim)
+
+    def key_prep(self, cos: torch.Tensor, sin: torch.Tensor, fp8: bool) -> ref.KeyPrep:
+        """`keys` past wk, for the paged KV write to apply (cos / sin [1, T, rope_dim]); fp8: the cache's
+        rotation too."""
+        return ref.KeyPrep(self.k_norm, cos[0], sin[0], self.rope_interleave,
+                           self.rotation(cos.device) if fp8 else None)
 
     def projections(self, x: torch.Tensor, q_resid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> q: [B, S, HI, DI] before rope, w: [B, S, HI] fp32 head weights before their scaling."""
         B, S, _ = x.shape
         q = self.wq_b(q_resid).view(B, S, self.n_heads, self.head_dim)
         w = self.weights_proj.weight
-        return q, linear_fp32(x.to(w.dtype), w).float()
+        return q, linear_fp32(x, w).float()
 
     def queries(self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 rope=rope_first) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,11 +219,15 @@ class MLA(nn.Module):
         q_nope, q_pe = q.split([self.dn, self.dr], dim=-1)
         return q_resid, q_nope, rope(q_pe, cos, sin, self.cfg.rope_interleave, out=pe_out)
 
-    def project_kv(self, x, cos, sin, rope=rope_first, kv_a_x=None, norm=apply_norm):
-        """x: [B, S, D] -> c [B, S, r] (normed latent), k_pe [B, S, dr] (roped): the MLA cache entry.
-        kv_a_x: kv_a_proj_with_mqa(x) when computed already."""
-        c, k_pe = (self.kv_a_proj_with_mqa(x) if kv_a_x is None else kv_a_x).split([self.r, self.dr], dim=-1)
-        return norm(c, self.kv_a_layernorm), rope(k_pe, cos, sin, self.cfg.rope_interleave)
+    def project_kv(self, x, cos, sin):
+        """x: [B, S, D] -> c [B, S, r] (normed latent), k_pe [B, S, dr] (roped): the MLA cache entry
+        (the paged path: kv_a_proj_with_mqa, then the KV write applies `key_prep`)."""
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.r, self.dr], dim=-1)
+        return self.kv_a_layernorm(c), rope_first(k_pe, cos, sin, self.cfg.rope_interleave)
+
+    def key_prep(self, cos: torch.Tensor, sin: torch.Tensor) -> ref.KeyPrep:
+        """`project_kv` past the projection, for the paged KV write to apply (cos / sin [1, T, dr])."""
+        return ref.KeyPrep(self.kv_a_layernorm, cos[0], sin[0], self.cfg.rope_interleave)
 
     def wkv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj split per head: W_UK [H, dn, r], W_UV [H, dv, r]."""
@@ -311,15 +318,17 @@ class MLA(nn.Module):
     def write_paged_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PagedLayerCache,
                        kv_a_x: torch.Tensor | None = None, wk_x: torch.Tensor | None = None) -> None:
         """Write the KV of x [1, T, D] (and its indexer keys, on a layer with an indexer cache) to
-        cache.batch.slots; kv_a_x, wk_x: from `project_x`, when computed."""
-        rope, norm = cache.ops.rope, cache.ops.norm
-        c, k_pe = self.project_kv(x, cos, sin, rope, kv_a_x, norm)  # [1, T, r], [1, T, dr]
-        index_k = None
+        cache.batch.slots; kv_a_x, wk_x: from `project_x`, when computed. The write normalises and
+        ropes the projections on the way (`key_prep`; on an FP8 indexer cache the keys are rotated
+        before quantization, as in Indexer.scores(fp8=True))."""
+        kv_a = self.kv_a_proj_with_mqa(x) if kv_a_x is None else kv_a_x
+        c, k_pe = kv_a[0].split([self.r, self.dr], dim=-1)  # [T, r], [T, dr] projections
+        index_k = index_prep = None
         if self.indexer is not None and cache.index is not None:
-            index_k = self.indexer.keys(x, cos, sin, rope, wk_x, norm)[0]  # [T, DI]
-            if cache.index.dtype == torch.uint8:  # rotated before quantization, as in Indexer.scores(fp8=True)
-                index_k = index_k.float() @ self.indexer.rotation(x.device)
-        cache.ops.write_kv(c[0], k_pe[0], cache.batch.slots, cache.kv, index_k, cache.index)
+            index_k = (self.indexer.wk(x) if wk_x is None else wk_x)[0]  # [T, DI]
+            index_prep = self.indexer.key_prep(cos, sin, cache.index.dtype == torch.uint8)
+        cache.ops.write_kv(c, k_pe, cache.batch.slots, cache.kv, index_k, cache.index,
+                           mla_prep=self.key_prep(cos, sin), index_prep=index_prep)
 
     def forward_paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, topk: torch.Tensor | None,
                       cache: PagedLayerCache, write_kv: bool = True, rows: OutputRows | None = None,

@@ -32,24 +32,26 @@ LINEAR_ROWS_MAX_WEIGHT = 1 << 16
 
 
 def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, weight) (no bias) for the weights a model keeps in fp32 (MoE routers, the
-    indexers' head weights): x [..., D], weight [E, D] -> [..., E].
+    """F.linear(x.to(weight.dtype), weight) (no bias) for the weights a model keeps in fp32 (MoE
+    routers, the indexers' head weights), x in the model's dtype: x [..., D], weight [E, D] -> [..., E].
 
-    2-8 fp32 rows on a GPU (a speculative verify's, a small decode batch's) against a small weight
-    take one Triton kernel (`megactx.kernels.linear.linear_rows`), where cuBLAS runs a SIMT GEMM and
-    a split-K reduction. On an H100 (2026-12-05, CUDA-graph replays) at megactx-tiny's E = 4,
-    D = 256, 4 rows: 1.56 us against F.linear's 5.20. For GLM-5.2's (E = 256 or 32, D = 6144) the
-    kernel, one program per output column reading its row of W in series, was slower than F.linear
-    (14.5 / 12.6 us against 13.5 / 9.3), so weights past LINEAR_ROWS_MAX_WEIGHT keep F.linear, as do
-    one row (cuBLAS's gemv), more rows, other dtypes, CPUs and autograd."""
+    1-8 rows on a GPU (a decode step's, a speculative verify's, a small batch's) against a small
+    weight take one Triton kernel (`megactx.kernels.linear.linear_rows`, which reads x in its own
+    dtype), where PyTorch casts x to fp32 and cuBLAS runs a gemv for one row, a SIMT GEMM and a
+    split-K reduction for more. On an H100 (2026-12-05, CUDA-graph replays) at megactx-tiny's E = 4,
+    D = 256, 4 fp32 rows: 1.56 us against F.linear's 5.20 (one row: the cast ~1.2-1.7 us and the gemv
+    ~2.0). For GLM-5.2's (E = 256 or 32, D = 6144) the kernel, one program per output column reading
+    its row of W in series, was slower than F.linear (14.5 / 12.6 us against 13.5 / 9.3), so weights
+    past LINEAR_ROWS_MAX_WEIGHT keep F.linear, as do more rows, other dtypes, CPUs and autograd."""
     rows = x.numel() // max(x.shape[-1], 1)
-    if (not x.is_cuda or x.dtype != torch.float32 or weight.dtype != torch.float32 or rows < 2
-            or weight.numel() > LINEAR_ROWS_MAX_WEIGHT
+    if (not x.is_cuda or weight.dtype != torch.float32 or rows < 1 or weight.numel() > LINEAR_ROWS_MAX_WEIGHT
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
-        return F.linear(x, weight)
-    from megactx.kernels.linear import MAX_ROWS, linear_rows  # Triton: imported where it runs
+        return F.linear(x.to(weight.dtype), weight)
+    from megactx.kernels.linear import MAX_ROWS, X_DTYPES, linear_rows  # Triton: imported where it runs
 
-    return linear_rows(x, weight) if rows <= MAX_ROWS else F.linear(x, weight)
+    if rows > MAX_ROWS or x.dtype not in X_DTYPES:
+        return F.linear(x.to(weight.dtype), weight)
+    return linear_rows(x, weight)
 
 
 def linear_into(x: torch.Tensor, weight: torch.Tensor, into: torch.Tensor,

@@ -72,7 +72,7 @@ class Router(nn.Module):
         """x: [N, D] -> (weights [N, top_k] fp32, expert ids [N, top_k] int64). dense: an [N, E]
         fp32 tensor to fill with every expert's weight, 0 where not routed (what the every-expert
         form reads); [N, E + 1] with shared_column, its last column 1 (the shared expert's)."""
-        logits = linear_fp32(x.float(), self.weight.float())  # [N, E]
+        logits = linear_fp32(x, self.weight.float())  # [N, E] fp32 (x widened to fp32)
         if self.uses_kernel(x):
             from megactx.kernels.moe_route import moe_route
 
