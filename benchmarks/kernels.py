@@ -315,6 +315,30 @@ class KernelBench:
             self._timed(f"write_kv.{'fp8' if fp8 else 'bf16'}", L,
                         lambda kv=kv, idx=idx: self.k.write_kv(c, k_pe, slots, kv, index_k, idx),
                         None, read + written, None, {"tokens": L})
+        # as the engine writes: from the projections, the keys made on the way (the latent's RMSNorm,
+        # the ropes, the indexer key's LayerNorm and Hadamard rotation; bf16 KV, FP8 indexer cache)
+        mla, index = self._key_preps(L)
+        kv = alloc_kv_cache(nb, g.kv_lora_rank, g.rope_dim, False, self.dev)
+        idx = alloc_index_cache(nb, g.index_dim, self.dev)
+        tables = sum(t.numel() * t.element_size() for t in (mla.cos, mla.sin))
+        self._timed("write_kv.bf16.keys", L,
+                    lambda: self.k.write_kv(c, k_pe, slots, kv, index_k, idx, mla_prep=mla, index_prep=index),
+                    None, read + tables + L * (g.kv_row_bytes(False) + g.index_row_bytes), None, {"tokens": L})
+
+    def _key_preps(self, L: int):
+        """The KeyPreps of a layer of this geometry over L tokens (bf16 norms, random angles)."""
+        from megactx.kernels.reference import KeyPrep
+        from megactx.model.layers import RMSNorm
+        from megactx.model.quant import hadamard
+
+        g = self.g
+        angles = self._rand(L, g.rope_dim // 2) * 6.3
+        cos = torch.cat([angles.cos()] * 2, -1).bfloat16()
+        sin = torch.cat([-angles.sin(), angles.sin()], -1).bfloat16()
+        rms = RMSNorm(g.kv_lora_rank).to(self.dev, torch.bfloat16)
+        ln = torch.nn.LayerNorm(g.index_dim).to(self.dev, torch.bfloat16)
+        return (KeyPrep(rms, cos, sin, True),
+                KeyPrep(ln, cos, sin, True, hadamard(g.index_dim, device=self.dev)))
 
     # -------------------------------------------------------------------------- indexer
     def indexer_prefill(self, L: int) -> None:

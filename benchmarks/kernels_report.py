@@ -44,6 +44,7 @@ GROUP_TARGET_FROM = 128 << 10  # ... at 128K and beyond, the ratios growing with
 LABELS = {
     "write_kv.bf16": "KV write, bf16 cache (+ indexer keys)",
     "write_kv.fp8": "KV write, FP8 cache (+ indexer keys)",
+    "write_kv.bf16.keys": "KV write, bf16 cache, keys made from the projections (norms, ropes, rotation)",
     "indexer.logits": "indexer logits, prefill",
     "indexer.logits+topk": "indexer logits + top-k, prefill",
     "indexer.decode.logits": "indexer logits, decode",

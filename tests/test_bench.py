@@ -307,7 +307,7 @@ def test_the_read_bound_reads_exactly_the_selected_rows():
 def _check_run(out_dir, device_slug, contexts, fp8):
     results = json.loads((out_dir / f"kernels-{device_slug}.json").read_text())
     got = {(m["name"], m["context"]) for m in results["measurements"]}
-    names = ["write_kv.bf16", "indexer.logits", "indexer.logits+topk", "indexer.decode.logits",
+    names = ["write_kv.bf16", "write_kv.bf16.keys", "indexer.logits", "indexer.logits+topk", "indexer.decode.logits",
              "indexer.decode.logits+topk", "sparse_mla.prefill.bf16", "sparse_mla.decode.bf16",
              "plain.indexer+topk", "plain.sparse.prefill", "plain.indexer.decode+topk", "plain.sparse.decode",
              "sdpa.prefill", "bound.read.decode"]
