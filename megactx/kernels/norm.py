@@ -6,7 +6,9 @@ slices of its output: q_a_proj's [T, q_lora] (q_a_layernorm), the latent of kv_a
 are strided, and PyTorch's fused norms copy it to a contiguous tensor first: on an H100 a verify of
 4 rows ran 36 such copies (67 us of its 1,068 us of kernels) before 36 norms. Here a program reads
 one row through its stride and writes the normalised row to a new contiguous tensor: fp32 inside,
-one rounding to x's dtype (as PyTorch's fused norms), weight and bias applied in fp32.
+one rounding to x's dtype (as PyTorch's fused norms), weight and bias applied in fp32. (The two
+key norms now run inside the paged KV write, `kv_write`, with the same math: `norm_stats`,
+`norm_apply`; q_a_layernorm's slice is this kernel's.)
 
 `norm_rows(x, module)` takes the module (megactx's `RMSNorm`, or `nn.LayerNorm` with an affine
 weight) and its twin is the module itself; a contiguous x, one whose module keeps its weight in

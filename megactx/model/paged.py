@@ -46,11 +46,11 @@ CACHE_DTYPES = {"fp8": torch.uint8, "bf16": torch.bfloat16, "fp32": torch.float3
 class KernelOps:
     """The kernels of a paged attention layer; both backends share these signatures."""
 
-    write_kv: Callable  # (c, k_pe, slots, kv_cache, index_k, index_cache) -> None
+    write_kv: Callable  # (c, k_pe, slots, kv_cache, index_k, index_cache, *, mla_prep, index_prep) -> None
     indexer_topk: Callable  # (q, w, index_cache, block_table, seq_idx, key_len, k, chunk_tokens, key_len_host)
     sparse_mla: Callable  # (q, kv_cache, topk_slots, softmax_scale, kv_lora_rank, topk_len) -> (out, lse)
     rope: Callable = rope_first  # (x, cos, sin, interleave, rope_dims=None) -> roped copy of x
-    norm: Callable = apply_norm  # (x, norm module) -> module(x); a strided x (a fused projection's slice) in one kernel
+    norm: Callable = apply_norm  # (x, norm module) -> module(x); a strided x (q_a's slice) in one kernel
     # (q, w, cos, sin, interleave, rope_dims, rotation, w_scale_heads, w_scale_dim) -> (q8, w): FP8 indexer queries
     index_queries_fp8: Callable = field(default_factory=lambda: ref.index_queries_fp8)  # (read at call time)
 
