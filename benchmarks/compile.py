@@ -356,6 +356,12 @@ def call_long_rows(cfg, gamma: int, vocab: int) -> None:
         logits, bias = torch.empty(64, experts), torch.zeros(experts)
         moe_route.moe_route(logits, bias, cfg.num_experts_per_tok, 1.0, True)
         moe_route.moe_route(logits, bias, cfg.num_experts_per_tok, 1.0, True, torch.empty(64, experts + 1), True)
+        router = torch.empty(experts, cfg.hidden_size)
+        for rows in (1, gamma + 1):  # a small router's logits in the routing kernel (a decode step, a verify)
+            x = torch.empty(rows, cfg.hidden_size, dtype=torch.bfloat16)
+            if moe_route.takes_x(x, router):
+                moe_route.moe_route_x(x, router, bias, cfg.num_experts_per_tok, 1.0, True,
+                                      torch.empty(rows, experts + 1), True)
     # a batch at the model's vocabulary, and one row of several vocabulary slices (a second launch)
     for batch, width in ((32, vocab), (1, 4 * rejection.MIN_SLICE_STEPS * rejection.BLOCK_V)):
         p = torch.empty(batch, gamma + 1, width)

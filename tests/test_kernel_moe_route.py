@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megactx.kernels import reference as ref
-from megactx.kernels.moe_route import moe_route
+from megactx.kernels.moe_route import MAX_X_WEIGHT, moe_route, moe_route_x
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -42,6 +42,49 @@ def test_routes_as_the_twin(N, E, k, norm):
     if N:  # the kernel's order: descending score + bias
         choice = torch.sigmoid(logits) + bias
         assert (choice.gather(1, ids).diff(dim=-1) <= 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("N, E, D, k", [(1, 4, 256, 2), (37, 4, 256, 2), (5, 10, 72, 3)])
+def test_routes_from_x_as_the_router_gemm_and_the_twin(N, E, D, k, dtype):
+    """moe_route_x computes the logits F.linear(x.float(), W) in the kernel (a small router: megactx-tiny's
+    4 x 256, rows strided as a slice would be): the twin's experts and weights, the dense weights with
+    the shared expert's column."""
+    _check_route_x(N, E, D, k, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_routes_from_x_on_cuda(dtype):
+    for N in (1, 4, 300):
+        _check_route_x(N, 4, 256, 2, dtype)  # megactx-tiny's router: a decode step, a verify, a prefill chunk
+
+
+def _check_route_x(N, E, D, k, dtype):
+    g = torch.Generator().manual_seed(N + E + D)
+    x = torch.randn(N, D + 5, generator=g)[:, 5:].to(DEVICE, dtype)
+    w = (torch.randn(E, D, generator=g) * 0.1).to(DEVICE)
+    bias = (torch.randn(E, generator=g) * 0.1).to(DEVICE)
+    dense = torch.full((N, E + 1), float("nan"), device=DEVICE)
+    weights, ids = moe_route_x(x, w, bias, k, 2.5, True, dense, True)
+    want_w, want_ids = ref.moe_route(torch.nn.functional.linear(x.float(), w), bias, k, 2.5, True)
+    got_ids, got_w = _by_expert(weights, ids)
+    ref_ids, ref_w = _by_expert(want_w, want_ids)
+    assert torch.equal(got_ids, ref_ids)
+    torch.testing.assert_close(got_w, ref_w, rtol=1e-5, atol=1e-6)
+    want_dense = torch.cat([torch.zeros(N, E, device=DEVICE).scatter(1, want_ids, want_w),
+                            torch.ones(N, 1, device=DEVICE)], dim=1)
+    torch.testing.assert_close(dense, want_dense, rtol=1e-5, atol=1e-6)
+
+
+def test_routes_from_x_only_for_small_routers():
+    x, bias = torch.zeros(2, 512, device=DEVICE), torch.zeros(256, device=DEVICE)
+    with pytest.raises(ValueError, match="use F.linear"):
+        moe_route_x(x, torch.zeros(256, 512, device=DEVICE), bias, 8, 1.0, True)  # GLM-size: 131,072 > MAX_X_WEIGHT
+    assert 256 * 512 > MAX_X_WEIGHT
+    with pytest.raises(ValueError, match="use F.linear"):
+        moe_route_x(x.to(torch.int32), torch.zeros(4, 512, device=DEVICE), bias[:4], 2, 1.0, True)
 
 
 def test_ties_go_to_the_lowest_expert():

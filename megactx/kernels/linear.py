@@ -28,6 +28,21 @@ PROGRAMS = 128  # about one wave on an H100 / H200: W is read once, spread over 
 
 
 @triton.jit
+def rows_dot_w(x_ptr, stride_x, offs_r, R, w_ptr, stride_w, offs_e, E, D, BLOCK_D: tl.constexpr):
+    """x[offs_r] · w[offs_e]ᵀ -> fp32 [BLOCK_R, BLOCK_E] (0 outside R rows, E columns): x [R, D] of
+    any float dtype, widened; w [E, D] fp32; products and sums in fp32, BLOCK_D dims at a time."""
+    acc = tl.zeros([offs_r.shape[0], offs_e.shape[0]], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        x = tl.load(x_ptr + offs_r[:, None].to(tl.int64) * stride_x + offs_d[None, :],
+                    mask=(offs_r[:, None] < R) & (offs_d[None, :] < D), other=0.0).to(tl.float32)  # [BLOCK_R, BLOCK_D]
+        w = tl.load(w_ptr + offs_e[:, None].to(tl.int64) * stride_w + offs_d[None, :],
+                    mask=(offs_e[:, None] < E) & (offs_d[None, :] < D), other=0.0)  # [BLOCK_E, BLOCK_D]
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    return acc
+
+
+@triton.jit
 def _linear_rows_kernel(
     x_ptr, stride_x,    # x: [R, D] fp32, bf16 or fp16, rows stride_x apart
     w_ptr, stride_w,    # w: [E, D] fp32, rows stride_w apart
@@ -37,14 +52,7 @@ def _linear_rows_kernel(
 ):
     offs_e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     offs_r = tl.arange(0, BLOCK_R)
-    acc = tl.zeros([BLOCK_R, BLOCK_E], dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        offs_d = d0 + tl.arange(0, BLOCK_D)
-        x = tl.load(x_ptr + offs_r[:, None] * stride_x + offs_d[None, :],
-                    mask=(offs_r[:, None] < R) & (offs_d[None, :] < D), other=0.0).to(tl.float32)  # [BLOCK_R, BLOCK_D]
-        w = tl.load(w_ptr + offs_e[:, None].to(tl.int64) * stride_w + offs_d[None, :],
-                    mask=(offs_e[:, None] < E) & (offs_d[None, :] < D), other=0.0)  # [BLOCK_E, BLOCK_D]
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    acc = rows_dot_w(x_ptr, stride_x, offs_r, R, w_ptr, stride_w, offs_e, E, D, BLOCK_D)
     tl.store(out_ptr + offs_r[:, None] * E + offs_e[None, :], acc, mask=(offs_r[:, None] < R) & (offs_e[None, :] < E))
 
 

@@ -72,12 +72,14 @@ class Router(nn.Module):
         """x: [N, D] -> (weights [N, top_k] fp32, expert ids [N, top_k] int64). dense: an [N, E]
         fp32 tensor to fill with every expert's weight, 0 where not routed (what the every-expert
         form reads); [N, E + 1] with shared_column, its last column 1 (the shared expert's)."""
-        logits = linear_fp32(x, self.weight.float())  # [N, E] fp32 (x widened to fp32)
         if self.uses_kernel(x):
-            from megactx.kernels.moe_route import moe_route
+            from megactx.kernels.moe_route import moe_route, moe_route_x, takes_x
 
-            return moe_route(logits, self.e_score_correction_bias, self.top_k, self.scaling, self.norm_topk_prob,
-                             dense, shared_column)
+            args = (self.e_score_correction_bias, self.top_k, self.scaling, self.norm_topk_prob, dense, shared_column)
+            if takes_x(x, self.weight):  # a small router: its logits in the routing kernel too
+                return moe_route_x(x, self.weight, *args)
+            return moe_route(linear_fp32(x, self.weight.float()), *args)
+        logits = linear_fp32(x, self.weight.float())  # [N, E] fp32 (x widened to fp32)
         weights, ids = ref.moe_route(logits, self.e_score_correction_bias, self.top_k, self.scaling,
                                      self.norm_topk_prob, self.n_group, self.topk_group)
         if dense is not None:
