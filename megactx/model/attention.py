@@ -100,8 +100,8 @@ class Indexer(nn.Module):
         """[DI, DI] fp32 Hadamard rotation applied to q and k before FP8 quantization."""
         return hadamard(self.head_dim, device=device)
 
-    # The first rope_dim dims are rotated (the MLA query puts rope last; the indexer first). `rope`:
-    # layers.rope_first or its fused kernel (the paged path passes its backend's).
+    # The first rope_dim dims are rotated (the MLA query puts rope last; the indexer first). The
+    # queries' `rope`: layers.rope_first or its fused kernel (the paged path passes its backend's).
     def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [B, S, D] -> k: [B, S, DI], what the indexer cache stores (the paged path: `key_prep`)."""
         return rope_first(self.k_norm(self.wk(x)), cos, sin, self.rope_interleave, self.rope_dim)
