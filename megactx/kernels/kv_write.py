@@ -25,7 +25,7 @@ import triton.language as tl
 from megactx.kernels.common import check_device, next_power_of_2, quantize_e4m3, to_bf16
 from megactx.kernels.norm import kernel_norm, norm_apply, norm_stats
 from megactx.kernels.reference import BLOCK_SIZE, SCALE_GROUP, KeyPrep, mla_fp8_bytes, prepare_keys
-from megactx.kernels.rope import rotate_pairs
+from megactx.kernels.rope import pair_offsets, rotate, rotate_pairs
 
 _FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -169,18 +169,15 @@ def _write_index_key(row, idx_ptr, slot, tok, w_ptr, b_ptr, eps, cos_ptr, sin_pt
     IH: tl.constexpr = IR // 2
     j = tl.arange(0, BLOCK_IH)
     live = j < IH
-    if INTERLEAVE:
-        o1, o2 = 2 * j, 2 * j + 1
-    else:
-        o1, o2 = j, IH + j
+    o1, o2 = pair_offsets(j, INTERLEAVE, IH)
     x1 = _rounded(norm_apply(tl.load(row + o1, mask=live, other=0.0).to(tl.float32), w_ptr, b_ptr, o1, live,
                              mean, den, HAS_BIAS), IN_BF16)
     x2 = _rounded(norm_apply(tl.load(row + o2, mask=live, other=0.0).to(tl.float32), w_ptr, b_ptr, o2, live,
                              mean, den, HAS_BIAS), IN_BF16)
     c = tl.load(cos_ptr + tok * stride_cos + j, mask=live, other=0.0).to(tl.float32)
     sn = tl.load(sin_ptr + tok * stride_cos + IH + j, mask=live, other=0.0).to(tl.float32)
-    first = _rounded(x1 * c - x2 * sn, IN_BF16)
-    second = _rounded(x2 * c + x1 * sn, IN_BF16)
+    first, second = rotate(x1, x2, c, sn)
+    first, second = _rounded(first, IN_BF16), _rounded(second, IN_BF16)
     r = IR + tl.arange(0, BLOCK_REST)
     rest = _rounded(norm_apply(tl.load(row + r, mask=r < DI, other=0.0).to(tl.float32), w_ptr, b_ptr, r, r < DI,
                                mean, den, HAS_BIAS), IN_BF16)

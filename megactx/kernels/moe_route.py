@@ -22,9 +22,12 @@ import triton.language as tl
 
 from megactx.kernels.common import cdiv, check_device, next_power_of_2
 from megactx.kernels.linear import X_DTYPES, rows_dot_w
+from megactx.model.layers import LINEAR_ROWS_MAX_WEIGHT
 
 MAX_EXPERTS = 1024  # a token's experts sit in one program's registers
-MAX_X_WEIGHT = 1 << 16  # router weights (elements) whose logits the kernel computes: megactx-tiny's, not GLM's
+# Router weights (elements) whose logits the kernel computes: linear_fp32's bound for the same dot
+# products (megactx-tiny's, not GLM's)
+MAX_X_WEIGHT = LINEAR_ROWS_MAX_WEIGHT
 
 
 @triton.jit

@@ -19,16 +19,28 @@ from megactx.kernels.common import cdiv, check_device, next_power_of_2, to_bf16
 
 
 @triton.jit
-def rotate_pairs(row, i, mask, c, sn, INTERLEAVE: tl.constexpr, HALF: tl.constexpr):
-    """The rotated pairs i of the rope dims at `row` (i: offsets [..., n]): pairs (2i, 2i + 1) when
-    INTERLEAVE, else (i, i + HALF) -> (firsts, seconds) fp32, x1 cos - x2 sin and x2 cos + x1 sin."""
+def pair_offsets(i, INTERLEAVE: tl.constexpr, HALF: tl.constexpr):
+    """Where the rope dims' pairs i sit in a row: (2i, 2i + 1) when INTERLEAVE, else (i, i + HALF)."""
     if INTERLEAVE:
-        x1 = tl.load(row + 2 * i, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(row + 2 * i + 1, mask=mask, other=0.0).to(tl.float32)
+        o1, o2 = 2 * i, 2 * i + 1
     else:
-        x1 = tl.load(row + i, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(row + HALF + i, mask=mask, other=0.0).to(tl.float32)
+        o1, o2 = i, HALF + i
+    return o1, o2
+
+
+@triton.jit
+def rotate(x1, x2, c, sn):
+    """A pair's rotation: (x1 cos - x2 sin, x2 cos + x1 sin), the firsts and the seconds."""
     return x1 * c - x2 * sn, x2 * c + x1 * sn
+
+
+@triton.jit
+def rotate_pairs(row, i, mask, c, sn, INTERLEAVE: tl.constexpr, HALF: tl.constexpr):
+    """The rotated pairs i of the rope dims at `row` (i: offsets [..., n], `pair_offsets`) ->
+    (firsts, seconds) fp32."""
+    o1, o2 = pair_offsets(i, INTERLEAVE, HALF)
+    return rotate(tl.load(row + o1, mask=mask, other=0.0).to(tl.float32),
+                  tl.load(row + o2, mask=mask, other=0.0).to(tl.float32), c, sn)
 
 
 @triton.jit
